@@ -1,0 +1,275 @@
+"""Target model configuration, read from and written back to a Hugging Face ``config.json``.
+
+Shape letters used across peagle_jax (the same glossary is in the README):
+
+    B batch rows            T new positions in one call     S cache slots (max sequence length)
+    D model width           F MLP width                     V target vocab
+    N query heads           G key/value heads               R = N // G query heads per kv head
+    H head dim              L layers                        A aux hidden-state taps
+    K number of draft tokens (always, and only, that)
+
+A config attribute that changes the math but is not implemented (another RoPE type, sliding windows,
+mixture of experts, ...) is refused with :class:`ConfigError` naming it, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ROPE_TYPES = ("default", "llama3")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class ConfigError(ValueError):
+    """A config.json this implementation cannot run faithfully; the message names the attribute."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding settings. ``llama3`` scales low frequencies as in Llama 3.1."""
+
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Static, hashable architecture of a Llama / Qwen2 / Qwen3 decoder.
+
+    It is passed to jitted functions as a static argument, so every field must be hashable.
+    ``aux_layer_ids`` follows the vLLM convention: id j taps the residual stream *entering* layer j,
+    which equals Hugging Face ``output_hidden_states[j]``.
+    """
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    aux_layer_ids: tuple[int, ...] = ()
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ConfigError(f"unsupported model family {self.family!r}; supported: {', '.join(FAMILIES)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r} not supported; choose one of {sorted(DTYPES)}")
+        if not self.aux_layer_ids:
+            object.__setattr__(self, "aux_layer_ids", default_aux_layer_ids(self.num_layers))
+        for j in self.aux_layer_ids:
+            if not 0 <= j < self.num_layers:
+                raise ConfigError(
+                    f"eagle_aux_hidden_state_layer_ids: {j} is outside 0..{self.num_layers - 1} (an id j taps "
+                    "the residual stream entering layer j)"
+                )
+
+    @property
+    def jnp_dtype(self):
+        return DTYPES[self.dtype]
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's default taps ``[2, L//2, L-3]`` (always three, as the drafter's ``fc`` expects), clamped
+    into ``0..L-1`` for tiny test models."""
+    return tuple(sorted(min(max(j, 0), num_layers - 1) for j in (2, num_layers // 2, num_layers - 3)))
+
+
+# Attributes read above or known not to change the forward math (training, serving, bookkeeping).
+_KNOWN = {
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache",
+    "initializer_range", "attention_dropout", "pad_token_id", "pretraining_tp", "max_window_layers",
+    "bos_token_id", "eos_token_id", "max_position_embeddings", "hidden_act", "_name_or_path",
+    "tokenizer_class", "return_dict", "output_hidden_states", "output_attentions", "id2label", "label2id",
+    "quantization_config", "eagle_aux_hidden_state_layer_ids", "use_return_dict", "chunk_size_feed_forward",
+    "is_encoder_decoder", "add_cross_attention", "tie_encoder_decoder", "problem_type",
+    "generation_config", "_attn_implementation_autoset", "embd_pdrop", "resid_pdrop", "mlp_bias",
+    "attention_bias", "rope_scaling", "rope_theta", "rope_parameters", "head_dim", "tie_word_embeddings",
+    "rms_norm_eps", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "use_sliding_window", "sliding_window", "layer_types",
+    "partial_rotary_factor",
+}
+# Attributes whose mere presence with a non-trivial value means an architecture we do not implement.
+_REFUSED_IF_SET = {
+    "num_experts": "mixture of experts",
+    "num_local_experts": "mixture of experts",
+    "moe_intermediate_size": "mixture of experts",
+    "num_experts_per_tok": "mixture of experts",
+    "attn_logit_softcapping": "attention logit soft-capping",
+    "final_logit_softcapping": "final logit soft-capping",
+    "no_rope_layers": "layers without RoPE",
+    "attention_chunk_size": "chunked attention",
+}
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
+    """Read RoPE from either transformers-5 ``rope_parameters`` or the older ``rope_theta``/``rope_scaling``."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or {}
+    if scaling:
+        params = {**scaling, **params} if params else dict(scaling)
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"rope_type {rope_type!r} is not implemented; supported: {', '.join(ROPE_TYPES)}")
+    if rope_type == "default":
+        extra = set(params) - {"rope_theta", "rope_type", "type"}
+        if extra:
+            raise ConfigError(f"rope parameters {sorted(extra)} are not implemented for rope_type 'default'")
+        return RopeConfig(theta=float(theta))
+    return RopeConfig(
+        theta=float(theta),
+        type="llama3",
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )
+
+
+def _refuse_unsupported(hf: dict[str, Any], family: str) -> None:
+    for key, what in _REFUSED_IF_SET.items():
+        if hf.get(key):
+            raise ConfigError(f"config attribute {key}={hf[key]!r} ({what}) is not supported")
+    if hf.get("use_sliding_window") or (family == "llama" and hf.get("sliding_window")):
+        raise ConfigError(f"config attribute sliding_window={hf.get('sliding_window')!r} is not supported")
+    layer_types = hf.get("layer_types")
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise ConfigError(f"config attribute layer_types={sorted(set(layer_types))} is not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"config attribute hidden_act={hf['hidden_act']!r} is not supported (only silu)")
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"config attribute partial_rotary_factor={hf['partial_rotary_factor']} is not supported")
+    if family == "qwen2" and hf.get("attention_bias") is False:
+        raise ConfigError("config attribute attention_bias=False is not supported for qwen2")
+    unknown = sorted(k for k in hf if k not in _KNOWN and k not in _REFUSED_IF_SET)
+    if unknown:
+        logging.getLogger(__name__).warning(
+            "config attributes %s are not read by peagle_jax; check they do not change the math", unknown
+        )
+
+
+def from_hf_config(hf: dict[str, Any], *, dtype: str = "float32", aux_layer_ids=None) -> ModelConfig:
+    """Build a :class:`ModelConfig` from a Hugging Face config dict, refusing what is not implemented."""
+    family = hf.get("model_type")
+    if family not in FAMILIES:
+        raise ConfigError(
+            f"model_type {family!r} is not supported; supported: {', '.join(FAMILIES)}"
+        )
+    _refuse_unsupported(hf, family)
+    num_heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    head_dim = hf.get("head_dim") or hidden // num_heads
+    eos = hf.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    if aux_layer_ids is None:
+        aux_layer_ids = hf.get("eagle_aux_hidden_state_layer_ids") or ()
+    attention_bias = bool(hf.get("attention_bias", False))
+    return ModelConfig(
+        family=family,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope=_rope_from_hf(hf),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=True if family == "qwen2" else attention_bias,
+        o_bias=attention_bias if family == "llama" else False,
+        mlp_bias=bool(hf.get("mlp_bias", False)) if family == "llama" else False,
+        qk_norm=family == "qwen3",
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        aux_layer_ids=tuple(int(j) for j in aux_layer_ids),
+        dtype=dtype,
+    )
+
+
+def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+    """The Hugging Face config dict (transformers-5 ``rope_parameters`` form) describing ``cfg``."""
+    rope: dict[str, Any] = {"rope_theta": cfg.rope.theta, "rope_type": cfg.rope.type}
+    if cfg.rope.type == "llama3":
+        rope.update(
+            factor=cfg.rope.factor,
+            low_freq_factor=cfg.rope.low_freq_factor,
+            high_freq_factor=cfg.rope.high_freq_factor,
+            original_max_position_embeddings=cfg.rope.original_max_position_embeddings,
+        )
+    hf: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[cfg.family]],
+        "model_type": cfg.family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": rope,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": list(cfg.eos_token_ids) if len(cfg.eos_token_ids) != 1 else cfg.eos_token_ids[0],
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        "dtype": cfg.dtype,
+    }
+    if cfg.family == "llama":
+        hf["attention_bias"] = cfg.qkv_bias
+        hf["mlp_bias"] = cfg.mlp_bias
+    elif cfg.family == "qwen3":
+        hf["attention_bias"] = cfg.qkv_bias
+    return hf
+
+
+def load_hf_config(model_dir: str | Path, **kwargs) -> ModelConfig:
+    """Read ``config.json`` from a model directory; errors name the file."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON ({err})") from None
+    return from_hf_config(hf, **kwargs)

@@ -1,0 +1,107 @@
+"""Stateless numerical building blocks shared by the target model and the drafter.
+
+Shape letters: see :mod:`peagle_jax.config`. Everything here is pure and jittable; nothing branches on
+array values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from peagle_jax.config import RopeConfig
+
+# Large negative logit for masked attention scores. Finite, so a row that masks everything (a padding row)
+# gives a uniform softmax instead of NaN.
+MASK_VALUE = -1e30
+
+
+def rms_norm(x, weight, eps: float):
+    """Llama RMSNorm: normalise in fp32, cast back, then scale (the Hugging Face order of operations)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    """Inverse frequencies [H/2] in float32, including Llama 3.1 ``llama3`` low-frequency scaling."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv_freq = (np.float32(1.0) / (np.float32(rope.theta) ** exponents)).astype(np.float32)
+    if rope.type == "default":
+        return inv_freq
+    old_ctx = rope.original_max_position_embeddings
+    low_wavelen = old_ctx / rope.low_freq_factor
+    high_wavelen = old_ctx / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_ctx / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(positions_BT, inv_freq):
+    """cos and sin tables [B, T, H] for the half-rotation layout used by Hugging Face Llama/Qwen."""
+    freqs_BTh = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    emb_BTH = jnp.concatenate([freqs_BTh, freqs_BTh], axis=-1)
+    return jnp.cos(emb_BTH), jnp.sin(emb_BTH)
+
+
+def apply_rope(x_BTnH, cos_BTH, sin_BTH):
+    """Rotate q or k ([B, T, heads, H]) by their positions: ``x*cos + rotate_half(x)*sin``."""
+    half = x_BTnH.shape[-1] // 2
+    rotated = jnp.concatenate([-x_BTnH[..., half:], x_BTnH[..., :half]], axis=-1)
+    cos = cos_BTH[:, :, None, :].astype(x_BTnH.dtype)
+    sin = sin_BTH[:, :, None, :].astype(x_BTnH.dtype)
+    return x_BTnH * cos + rotated * sin
+
+
+def visible_mask(start_B, num_new: int, num_slots: int, mask_BTT=None):
+    """Which cache slots each new query may attend to: a boolean [B, T, S].
+
+    The cache holds row b's committed tokens in slots ``[0, start[b])`` and this call writes its T new
+    tokens into slots ``[start[b], start[b] + T)``. Query t sees every committed slot, and among the new
+    slots those that ``mask_BTT[b, t]`` allows (default: causal, ``t' <= t``). Slots at or beyond
+    ``start[b] + T`` hold stale or placeholder entries from earlier calls and are never visible, which is
+    why rejected or padded rows can be left in the cache and simply overwritten later.
+    """
+    slots_S = jnp.arange(num_slots, dtype=jnp.int32)
+    rel_BS = slots_S[None, :] - start_B[:, None]
+    committed_B1S = (rel_BS < 0)[:, None, :]
+    if mask_BTT is None:
+        t_T1 = jnp.arange(num_new, dtype=jnp.int32)[:, None]
+        return committed_B1S | ((rel_BS[:, None, :] >= 0) & (rel_BS[:, None, :] <= t_T1[None]))
+    in_new_BS = (rel_BS >= 0) & (rel_BS < num_new)
+    idx_BTS = jnp.broadcast_to(jnp.clip(rel_BS, 0, num_new - 1)[:, None, :], (*mask_BTT.shape[:2], num_slots))
+    among_new_BTS = jnp.take_along_axis(mask_BTT.astype(bool), idx_BTS, axis=2)
+    return committed_B1S | (in_new_BS[:, None, :] & among_new_BTS)
+
+
+def attention(q_BTNH, k_BSGH, v_BSGH, visible_BTS):
+    """Grouped-query attention of T new queries over S cache slots; softmax in fp32."""
+    B, T, N, H = q_BTNH.shape
+    G = k_BSGH.shape[2]
+    q_BTGRH = q_BTNH.reshape(B, T, G, N // G, H)
+    scores_BGRTS = jnp.einsum("BTGRH,BSGH->BGRTS", q_BTGRH, k_BSGH, preferred_element_type=jnp.float32)
+    scores_BGRTS = scores_BGRTS * (1.0 / math.sqrt(H))
+    scores_BGRTS = jnp.where(visible_BTS[:, None, None, :, :], scores_BGRTS, MASK_VALUE)
+    probs_BGRTS = jax.nn.softmax(scores_BGRTS, axis=-1).astype(v_BSGH.dtype)
+    out_BTGRH = jnp.einsum("BGRTS,BSGH->BTGRH", probs_BGRTS, v_BSGH)
+    return out_BTGRH.reshape(B, T, N, H)
+
+
+def argmax_first(x, axis: int = -1):
+    """Index of the first maximum, as max + compare + min-index.
+
+    Same result as ``jnp.argmax``, but lowers to two plain reductions instead of a variadic (value, index)
+    reduction, which Neuron runs badly over a large vocabulary.
+    """
+    n = x.shape[axis]
+    best = jnp.max(x, axis=axis, keepdims=True)
+    shape = [1] * x.ndim
+    shape[axis] = n
+    idx = jnp.arange(n, dtype=jnp.int32).reshape(shape)
+    return jnp.min(jnp.where(x == best, idx, n), axis=axis).astype(jnp.int32)
