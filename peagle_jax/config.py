@@ -22,13 +22,15 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from peagle_jax.errors import UserError
+
 FAMILIES = ("llama", "qwen2", "qwen3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 ROPE_TYPES = ("default", "llama3")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config.json this implementation cannot run faithfully; the message names the attribute."""
 
 
@@ -79,8 +81,7 @@ class ModelConfig:
             raise ConfigError(f"unsupported model family {self.family!r}; supported: {', '.join(FAMILIES)}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
-                f"num_attention_heads={self.num_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_kv_heads}"
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
             )
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} not supported; choose one of {sorted(DTYPES)}")
@@ -113,16 +114,57 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
 
 # Attributes read above or known not to change the forward math (training, serving, bookkeeping).
 _KNOWN = {
-    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache",
-    "initializer_range", "attention_dropout", "pad_token_id", "pretraining_tp", "max_window_layers",
-    "bos_token_id", "eos_token_id", "max_position_embeddings", "hidden_act", "_name_or_path",
-    "tokenizer_class", "return_dict", "output_hidden_states", "output_attentions", "id2label", "label2id",
-    "quantization_config", "eagle_aux_hidden_state_layer_ids", "use_return_dict", "chunk_size_feed_forward",
-    "is_encoder_decoder", "add_cross_attention", "tie_encoder_decoder", "problem_type",
-    "generation_config", "_attn_implementation_autoset", "embd_pdrop", "resid_pdrop", "mlp_bias",
-    "attention_bias", "rope_scaling", "rope_theta", "rope_parameters", "head_dim", "tie_word_embeddings",
-    "rms_norm_eps", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "use_sliding_window", "sliding_window", "layer_types",
+    "architectures",
+    "model_type",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "use_cache",
+    "initializer_range",
+    "attention_dropout",
+    "pad_token_id",
+    "pretraining_tp",
+    "max_window_layers",
+    "bos_token_id",
+    "eos_token_id",
+    "max_position_embeddings",
+    "hidden_act",
+    "_name_or_path",
+    "tokenizer_class",
+    "return_dict",
+    "output_hidden_states",
+    "output_attentions",
+    "id2label",
+    "label2id",
+    "quantization_config",
+    "eagle_aux_hidden_state_layer_ids",
+    "use_return_dict",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "add_cross_attention",
+    "tie_encoder_decoder",
+    "problem_type",
+    "generation_config",
+    "_attn_implementation_autoset",
+    "embd_pdrop",
+    "resid_pdrop",
+    "mlp_bias",
+    "attention_bias",
+    "rope_scaling",
+    "rope_theta",
+    "rope_parameters",
+    "head_dim",
+    "tie_word_embeddings",
+    "rms_norm_eps",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "use_sliding_window",
+    "sliding_window",
+    "layer_types",
     "partial_rotary_factor",
 }
 # Attributes whose mere presence with a non-trivial value means an architecture we do not implement.
@@ -189,9 +231,7 @@ def from_hf_config(hf: dict[str, Any], *, dtype: str = "float32", aux_layer_ids=
     """Build a :class:`ModelConfig` from a Hugging Face config dict, refusing what is not implemented."""
     family = hf.get("model_type")
     if family not in FAMILIES:
-        raise ConfigError(
-            f"model_type {family!r} is not supported; supported: {', '.join(FAMILIES)}"
-        )
+        raise ConfigError(f"model_type {family!r} is not supported; supported: {', '.join(FAMILIES)}")
     _refuse_unsupported(hf, family)
     num_heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])

@@ -56,7 +56,12 @@ class Attention(nn.Module):
 
         def proj(name, heads):
             return nn.DenseGeneral(
-                (heads, s.head_dim), use_bias=s.qkv_bias, dtype=dt, param_dtype=dt, kernel_init=_init, name=name
+                (heads, s.head_dim),
+                use_bias=s.qkv_bias,
+                dtype=dt,
+                param_dtype=dt,
+                kernel_init=_init,
+                name=name,
             )(x_BTD)
 
         q_BTNH = proj("q_proj", s.num_heads)
@@ -71,7 +76,12 @@ class Attention(nn.Module):
         v_BSGH = write_rows(v_BSGH, v_BTGH, start_B)
         out_BTNH = ops.attention(q_BTNH, k_BSGH, v_BSGH, visible_BTS)
         y_BTD = nn.DenseGeneral(
-            s.out_dim, axis=(-2, -1), use_bias=s.o_bias, dtype=dt, param_dtype=dt, kernel_init=_init,
+            s.out_dim,
+            axis=(-2, -1),
+            use_bias=s.o_bias,
+            dtype=dt,
+            param_dtype=dt,
+            kernel_init=_init,
             name="o_proj",
         )(out_BTNH)
         return y_BTD, k_BSGH, v_BSGH
@@ -107,7 +117,12 @@ class DecoderLayer(nn.Module):
     def __call__(self, x_BTD, cos_BTH, sin_BTH, k_BSGH, v_BSGH, start_B, visible_BTS):
         eps, dt = self.attn.eps, self.dtype
         y_BTD, k_BSGH, v_BSGH = Attention(self.attn, dt, name="self_attn")(
-            RMSNorm(eps, dt, name="input_layernorm")(x_BTD), cos_BTH, sin_BTH, k_BSGH, v_BSGH, start_B,
+            RMSNorm(eps, dt, name="input_layernorm")(x_BTD),
+            cos_BTH,
+            sin_BTH,
+            k_BSGH,
+            v_BSGH,
+            start_B,
             visible_BTS,
         )
         h_BTD = x_BTD + y_BTD

@@ -88,8 +88,17 @@ def new_cache(cfg: ModelConfig, batch: int, slots: int) -> KVCache:
     return KVCache.zeros(cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim, cfg.jnp_dtype)
 
 
-def forward(params, cache: KVCache, tokens_BT, start_B, *, cfg: ModelConfig, mask_BTT=None,
-            positions_BT=None, logits_at_BM=None):
+def forward(
+    params,
+    cache: KVCache,
+    tokens_BT,
+    start_B,
+    *,
+    cfg: ModelConfig,
+    mask_BTT=None,
+    positions_BT=None,
+    logits_at_BM=None,
+):
     """T new tokens per row, written to cache slots ``start[b] .. start[b]+T-1``.
 
     ``positions_BT`` are the RoPE positions (default: the write slots; a tree passes its depths instead).
@@ -103,7 +112,12 @@ def forward(params, cache: KVCache, tokens_BT, start_B, *, cfg: ModelConfig, mas
         positions_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     visible_BTS = ops.visible_mask(start_B, T, cache.num_slots, mask_BTT)
     return Transformer(cfg).apply(
-        {"params": params}, tokens_BT.astype(jnp.int32), positions_BT, start_B, visible_BTS, cache,
+        {"params": params},
+        tokens_BT.astype(jnp.int32),
+        positions_BT,
+        start_B,
+        visible_BTS,
+        cache,
         logits_at_BM,
     )
 

@@ -17,12 +17,13 @@ import numpy as np
 from safetensors import safe_open
 
 from peagle_jax.config import ModelConfig, load_hf_config
+from peagle_jax.errors import UserError
 
 # Tensors that checkpoints may carry but that the math derives by itself.
 _SKIP = re.compile(r".*rotary_emb\.inv_freq$")
 
 
-class WeightsError(ValueError):
+class WeightsError(UserError):
     """A checkpoint that does not fit the config; the message names the tensor or file."""
 
 

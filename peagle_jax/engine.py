@@ -1,0 +1,205 @@
+"""Plain (non-speculative) batched generation: bucketed prefill, one jitted decode step, a host loop.
+
+Every device call has a fixed shape: the batch is padded to a batch bucket, prompts to a length bucket,
+and the decode step always sees ``[B]`` tokens at per-row positions. So a run compiles at most one prefill
+per (batch bucket, length bucket) and one decode step per batch bucket, whatever the prompts are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from peagle_jax import model
+from peagle_jax.config import ModelConfig
+from peagle_jax.errors import UserError
+from peagle_jax.sampling import SamplingParams, row_keys, sample
+
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class RequestError(UserError):
+    """A request that cannot be served as given (too long, empty, ...); the message says why."""
+
+
+def bucket(n: int, buckets: Sequence[int]) -> int:
+    """Smallest bucket >= n (the largest bucket when n exceeds them all; callers chunk then)."""
+    for b in buckets:
+        if b >= n:
+            return b
+    return buckets[-1]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "greedy_only"), donate_argnames=("cache",))
+def decode_step(params, cache, tokens_B, positions_B, keys_B, sampling: SamplingParams, *, cfg, greedy_only):
+    """Feed one token per row at its position, sample the next. Returns (next tokens [B], cache)."""
+    out, cache = model.forward(params, cache, tokens_B[:, None], positions_B, cfg=cfg)
+    return sample(out.logits[:, 0], sampling, keys_B, positions_B + 1, greedy_only=greedy_only), cache
+
+
+@functools.partial(jax.jit, static_argnames=("greedy_only",))
+def sample_jit(logits_BV, sampling, keys_B, positions_B, *, greedy_only):
+    return sample(logits_BV, sampling, keys_B, positions_B, greedy_only=greedy_only)
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    token_ids: list[int]
+    finish_reason: str  # "stop" (an EOS/stop token) or "length"
+
+
+@dataclasses.dataclass
+class StepStats:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    new_tokens: int = 0
+
+
+class Generator:
+    """Batched plain decoding for one target model, holding its compiled graphs between calls."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params,
+        *,
+        max_seq_len: int = 2048,
+        prefill_buckets: Sequence[int] = PREFILL_BUCKETS,
+        batch_buckets: Sequence[int] = BATCH_BUCKETS,
+    ):
+        if max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
+        self.cfg, self.params, self.max_seq_len = cfg, params, max_seq_len
+        self.prefill_buckets = tuple(b for b in sorted(prefill_buckets) if b <= max_seq_len) or (max_seq_len,)
+        self.batch_buckets = tuple(sorted(batch_buckets))
+        self.stats = StepStats()
+
+    def _check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+        if not prompts:
+            raise RequestError("no prompts given")
+        if len(prompts) > self.batch_buckets[-1]:
+            raise RequestError(f"{len(prompts)} prompts exceed the largest batch bucket {self.batch_buckets[-1]}")
+        if max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise RequestError(f"prompt {i} is empty")
+            if len(p) + max_new_tokens > self.max_seq_len:
+                raise RequestError(
+                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds "
+                    f"max_seq_len={self.max_seq_len}"
+                )
+            bad = [t for t in p if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise RequestError(
+                    f"prompt {i} has token id {bad[0]} outside the vocabulary 0..{self.cfg.vocab_size - 1}"
+                )
+
+    def prefill(self, prompts: Sequence[Sequence[int]], batch: int):
+        """Prefill prompts (padded to ``batch`` rows) into a fresh cache; long prompts go in chunks of the
+        largest bucket. Returns (last-token logits [batch, V], cache)."""
+        cache = model.new_cache(self.cfg, batch, self.max_seq_len)
+        lengths = np.array([len(p) for p in prompts] + [1] * (batch - len(prompts)), np.int32)
+        chunk = self.prefill_buckets[-1]
+        logits = None
+        for start in range(0, int(lengths.max()), chunk):
+            T = bucket(min(int(lengths.max()) - start, chunk), self.prefill_buckets)
+            tokens = np.zeros((batch, T), np.int32)
+            for b, p in enumerate(prompts):
+                piece = p[start : start + T]
+                tokens[b, : len(piece)] = piece
+            n_B = np.clip(lengths - start, 0, T)
+            # Rows whose prompt ended in an earlier chunk re-write their own stale tail: harmless, and
+            # their last logits are kept from the chunk where they ended.
+            out, cache = model.prefill(
+                self.params,
+                cache,
+                jnp.asarray(tokens),
+                jnp.asarray(np.maximum(n_B, 1)),
+                jnp.full((batch,), start, jnp.int32),
+                cfg=self.cfg,
+            )
+            ended_here = jnp.asarray((lengths > start) & (lengths <= start + T))[:, None]
+            logits = out.logits if logits is None else jnp.where(ended_here, out.logits, logits)
+        return logits, cache
+
+    def stream(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int = 128,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        seed=0,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> Iterator[list[list[int]]]:
+        """Yield, after each step, the tokens each prompt gained in that step (a list per prompt).
+
+        Sampling arguments are scalars or per-prompt sequences. A row that hits a stop token or its
+        ``max_new_tokens`` stops gaining tokens while the others go on (it keeps stepping, padded).
+        """
+        self._check(prompts, max_new_tokens)
+        n = len(prompts)
+        B = bucket(n, self.batch_buckets)
+        stops = set(self.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
+
+        def per_row(x, dtype):
+            arr = np.broadcast_to(np.asarray(x, dtype), (n,))
+            return np.concatenate([arr, np.zeros(B - n, dtype)])
+
+        sampling = SamplingParams.make(
+            B, per_row(temperature, np.float32), per_row(top_k, np.int32), per_row(top_p, np.float32)
+        )
+        greedy_only = not bool(np.any(np.asarray(sampling.temperature) > 0))
+        keys = row_keys(per_row(seed, np.uint32))
+        t0 = time.perf_counter()
+        logits, cache = self.prefill(prompts, B)
+        positions = np.array([len(p) for p in prompts] + [0] * (B - n), np.int32)
+        tokens = sample_jit(logits, sampling, keys, jnp.asarray(positions), greedy_only=greedy_only)
+        tokens_host = np.asarray(tokens)
+        self.stats.prefill_s += time.perf_counter() - t0
+        done = np.zeros(B, bool)
+        done[n:] = True
+        produced = np.zeros(B, np.int32)
+        while True:
+            gained = [[] for _ in range(n)]
+            for b in range(n):
+                if not done[b]:
+                    tok = int(tokens_host[b])
+                    gained[b].append(tok)
+                    produced[b] += 1
+                    if tok in stops or produced[b] >= max_new_tokens:
+                        done[b] = True
+            self.stats.new_tokens += sum(len(g) for g in gained)
+            yield gained
+            if done.all():
+                return
+            t0 = time.perf_counter()
+            # Finished rows keep feeding a token at a clamped position; their writes land past their
+            # output and are never read.
+            step_pos = jnp.asarray(np.minimum(positions, self.max_seq_len - 1))
+            tokens, cache = decode_step(
+                self.params, cache, tokens, step_pos, keys, sampling, cfg=self.cfg, greedy_only=greedy_only
+            )
+            tokens_host = np.asarray(tokens)
+            positions += 1
+            self.stats.decode_s += time.perf_counter() - t0
+            self.stats.decode_steps += 1
+
+    def generate(self, prompts: Sequence[Sequence[int]], **kwargs) -> list[GenerationResult]:
+        """Run :meth:`stream` to the end; one :class:`GenerationResult` per prompt."""
+        out: list[list[int]] = [[] for _ in prompts]
+        for gained in self.stream(prompts, **kwargs):
+            for b, toks in enumerate(gained):
+                out[b].extend(toks)
+        stops = set(self.cfg.eos_token_ids if kwargs.get("stop_token_ids") is None else kwargs["stop_token_ids"])
+        return [GenerationResult(t, "stop" if t and t[-1] in stops else "length") for t in out]

