@@ -19,7 +19,7 @@ import numpy as np
 from peagle_jax import model
 from peagle_jax.config import ModelConfig
 from peagle_jax.errors import UserError
-from peagle_jax.sampling import SamplingParams, row_keys, sample
+from peagle_jax.sampling import SamplingParams, sample
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -38,15 +38,15 @@ def bucket(n: int, buckets: Sequence[int]) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "greedy_only"), donate_argnames=("cache",))
-def decode_step(params, cache, tokens_B, positions_B, keys_B, sampling: SamplingParams, *, cfg, greedy_only):
+def decode_step(params, cache, tokens_B, positions_B, seeds_B, sampling: SamplingParams, *, cfg, greedy_only):
     """Feed one token per row at its position, sample the next. Returns (next tokens [B], cache)."""
     out, cache = model.forward(params, cache, tokens_B[:, None], positions_B, cfg=cfg)
-    return sample(out.logits[:, 0], sampling, keys_B, positions_B + 1, greedy_only=greedy_only), cache
+    return sample(out.logits[:, 0], sampling, seeds_B, positions_B + 1, greedy_only=greedy_only), cache
 
 
 @functools.partial(jax.jit, static_argnames=("greedy_only",))
-def sample_jit(logits_BV, sampling, keys_B, positions_B, *, greedy_only):
-    return sample(logits_BV, sampling, keys_B, positions_B, greedy_only=greedy_only)
+def sample_jit(logits_BV, sampling, seeds_B, positions_B, *, greedy_only):
+    return sample(logits_BV, sampling, seeds_B, positions_B, greedy_only=greedy_only)
 
 
 @dataclasses.dataclass
@@ -160,11 +160,11 @@ class Generator:
             B, per_row(temperature, np.float32), per_row(top_k, np.int32), per_row(top_p, np.float32)
         )
         greedy_only = not bool(np.any(np.asarray(sampling.temperature) > 0))
-        keys = row_keys(per_row(seed, np.uint32))
+        seeds = jnp.asarray(per_row(seed, np.uint32))
         t0 = time.perf_counter()
         logits, cache = self.prefill(prompts, B)
         positions = np.array([len(p) for p in prompts] + [0] * (B - n), np.int32)
-        tokens = sample_jit(logits, sampling, keys, jnp.asarray(positions), greedy_only=greedy_only)
+        tokens = sample_jit(logits, sampling, seeds, jnp.asarray(positions), greedy_only=greedy_only)
         tokens_host = np.asarray(tokens)
         self.stats.prefill_s += time.perf_counter() - t0
         done = np.zeros(B, bool)
@@ -188,7 +188,7 @@ class Generator:
             # output and are never read.
             step_pos = jnp.asarray(np.minimum(positions, self.max_seq_len - 1))
             tokens, cache = decode_step(
-                self.params, cache, tokens, step_pos, keys, sampling, cfg=self.cfg, greedy_only=greedy_only
+                self.params, cache, tokens, step_pos, seeds, sampling, cfg=self.cfg, greedy_only=greedy_only
             )
             tokens_host = np.asarray(tokens)
             positions += 1

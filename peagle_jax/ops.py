@@ -23,7 +23,7 @@ def rms_norm(x, weight, eps: float):
     """Llama RMSNorm: normalise in fp32, cast back, then scale (the Hugging Face order of operations)."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(x.dtype)
+    return weight.reshape((1,) * (x.ndim - 1) + weight.shape) * x32.astype(x.dtype)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
@@ -45,7 +45,7 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
 
 def rope_cos_sin(positions_BT, inv_freq):
     """cos and sin tables [B, T, H] for the half-rotation layout used by Hugging Face Llama/Qwen."""
-    freqs_BTh = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    freqs_BTh = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
     emb_BTH = jnp.concatenate([freqs_BTh, freqs_BTh], axis=-1)
     return jnp.cos(emb_BTH), jnp.sin(emb_BTH)
 

@@ -2,8 +2,10 @@
 
 Order of operations (the one the speculative verifier must repeat exactly): temperature, then top-k, then
 top-p, then a categorical draw. A row with temperature 0 is greedy (first maximum of the raw logits).
-Randomness comes from an explicit per-row key folded with the row's position, so a row's draws do not
-depend on which other rows share the batch.
+Randomness is counter-based: a uniform is a hash of (row seed, position, stream, index), computed with
+uint32 arithmetic inside the graph. A row's draws therefore depend only on its own seed and position, not
+on the batch it shares or its bucket (PRNG keys under ``vmap`` do not promise that), and the graph holds no
+threefry or host callback (both bad on Neuron).
 """
 
 from __future__ import annotations
@@ -63,17 +65,33 @@ def processed_logits(logits_BV, params: SamplingParams):
     return jnp.where(scaled_BV >= threshold_B1, scaled_BV, -jnp.inf)
 
 
-def sample(logits_BV, params: SamplingParams, keys_B, positions_B, *, greedy_only: bool = False):
-    """One token per row, int32 [B]. ``greedy_only`` (static) skips the sort when every row is greedy."""
+def _mix32(x):
+    """lowbias32 (C. Wellons): a fast uint32 avalanche hash."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniforms(seeds_B, positions_B, n: int, stream: int = 0):
+    """Uniforms in (0, 1), float32 [B, n], a pure function of (seed, position, stream, index)."""
+    row_B = _mix32(
+        seeds_B.astype(jnp.uint32)
+        ^ _mix32(positions_B.astype(jnp.uint32) + jnp.uint32((stream * 0x9E3779B9) & 0xFFFFFFFF))
+    )
+    idx_N = jnp.arange(n, dtype=jnp.uint32)
+    bits_BN = _mix32(_mix32((idx_N * jnp.uint32(0x85EBCA6B))[None, :] ^ row_B[:, None]) + row_B[:, None])
+    return ((bits_BN >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def sample(logits_BV, params: SamplingParams, seeds_B, positions_B, *, greedy_only: bool = False):
+    """One token per row, int32 [B], for the token at ``positions_B``. ``greedy_only`` (static) skips the
+    sort when every row is greedy. The draw is Gumbel-max over the filtered logits."""
     greedy_B = argmax_first(logits_BV, axis=-1)
     if greedy_only:
         return greedy_B
     filtered_BV = processed_logits(logits_BV, params)
-    draw = jax.vmap(lambda key, pos, row: jax.random.categorical(jax.random.fold_in(key, pos), row))
-    sampled_B = draw(keys_B, positions_B, filtered_BV).astype(jnp.int32)
+    gumbel_BV = -jnp.log(-jnp.log(uniforms(seeds_B, positions_B, logits_BV.shape[-1])))
+    sampled_B = argmax_first(filtered_BV + gumbel_BV, axis=-1)
     return jnp.where(params.temperature > 0, sampled_B, greedy_B)
-
-
-def row_keys(seeds) -> jax.Array:
-    """One independent key per row from integer seeds (``rbg`` keys: cheap and Neuron-friendly)."""
-    return jax.vmap(lambda s: jax.random.key(s, impl="rbg"))(jnp.asarray(seeds, jnp.uint32))

@@ -1,0 +1,44 @@
+"""Shared fixtures: random tiny Hugging Face models written with ``save_pretrained``."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+TINY = dict(hidden_size=64, intermediate_size=128, vocab_size=128, num_hidden_layers=4, head_dim=16)
+
+
+def tiny_hf_model(family: str, *, seed: int = 0, heads: int = 4, kv_heads: int = 2, tied: bool = False, **extra):
+    """A random tiny transformers model of ``family`` (llama, qwen2, qwen3), in eval mode."""
+    import torch
+    import transformers
+
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }
+    config_cls, model_cls = classes[family]
+    kwargs = {**TINY, "num_attention_heads": heads, "num_key_value_heads": kv_heads, "tie_word_embeddings": tied}
+    kwargs.update(extra)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kwargs)).eval()
+    with torch.no_grad():  # non-trivial norms and biases so that their mapping is tested too
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture
+def save_hf(tmp_path):
+    """Save a transformers model (safetensors) into a fresh directory and return the path."""
+
+    def save(model, name="model", **kwargs):
+        path = tmp_path / name
+        model.save_pretrained(path, **kwargs)
+        return path
+
+    return save
