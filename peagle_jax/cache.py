@@ -1,8 +1,9 @@
 """Static-shape key/value cache: a pytree of per-layer arrays, donated to every jitted step.
 
-Slot s of row b holds the key/value of that row's token written at slot s. Which slots a query may see is
-decided by :func:`peagle_jax.ops.visible_mask` from the row's write start, never by what the cache holds,
-so stale rows (rejected drafts, padding) are harmless and are overwritten by later writes.
+Slot s of row b holds the key/value of that row's token written at slot s. The layout is ``[B, G, S, H]``:
+each kv head's slots are contiguous, which is what a CPU batched matmul over (row, head) reads fastest.
+Which slots a query may see is decided by :func:`peagle_jax.ops.visible_mask` from the row's write start,
+never by what the cache holds, so stale rows (rejected drafts, padding) are harmless and later overwritten.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 
 @flax.struct.dataclass
 class KVCache:
-    """Keys and values, one ``[B, S, G, H]`` array per layer."""
+    """Keys and values, one ``[B, G, S, H]`` array per layer."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
@@ -25,24 +26,29 @@ class KVCache:
 
     @property
     def num_slots(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
 
     @classmethod
     def zeros(cls, num_layers: int, batch: int, slots: int, kv_heads: int, head_dim: int, dtype=jnp.float32):
-        shape = (batch, slots, kv_heads, head_dim)
+        shape = (batch, kv_heads, slots, head_dim)
         return cls(
             k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
             v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
         )
 
 
-def write_rows(cache_BSGH, new_BTGH, start_B):
+def write_rows(cache_BGSH, new_BTGH, start_B):
     """Write T new entries per row at slots ``start[b] .. start[b]+T-1``.
 
-    A scatter, done in place when the cache is donated. Writes that would land at or beyond S are dropped
-    (the scatter's out-of-bounds mode), so a padded bucket near the end of the cache cannot corrupt it.
+    One ``dynamic_update_slice`` per row (B is static and small), done in place when the cache is donated;
+    on CPU this is several times cheaper than the equivalent scatter. Invariant the callers keep:
+    ``start[b] + T <= S`` for every row, padding rows included, because an update that would overrun the
+    cache is shifted back to fit (XLA clamps the start index) rather than dropped.
     """
-    B, T = new_BTGH.shape[:2]
-    slots_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    rows_BT = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, T))
-    return cache_BSGH.at[rows_BT, slots_BT].set(new_BTGH.astype(cache_BSGH.dtype), mode="drop")
+    new_BGTH = jnp.swapaxes(new_BTGH, 1, 2).astype(cache_BGSH.dtype)
+    zero = jnp.zeros((), jnp.int32)
+    for b in range(new_BGTH.shape[0]):
+        cache_BGSH = jax.lax.dynamic_update_slice(
+            cache_BGSH, new_BGTH[b : b + 1], (jnp.int32(b), zero, start_B[b].astype(jnp.int32), zero)
+        )
+    return cache_BGSH

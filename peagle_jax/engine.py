@@ -1,8 +1,10 @@
 """Plain (non-speculative) batched generation: bucketed prefill, one jitted decode step, a host loop.
 
 Every device call has a fixed shape: the batch is padded to a batch bucket, prompts to a length bucket,
-and the decode step always sees ``[B]`` tokens at per-row positions. So a run compiles at most one prefill
-per (batch bucket, length bucket) and one decode step per batch bucket, whatever the prompts are.
+and the decode step always sees ``[B]`` tokens at per-row positions. Attention reads only a window of the
+cache whose width is also bucketed (:data:`WINDOW_BUCKETS`), so its cost follows the context. A run thus
+compiles at most one prefill per (batch, length, window) bucket and one decode step per (batch, window)
+bucket, whatever the prompts are.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from peagle_jax.sampling import SamplingParams, sample
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+WINDOW_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 class RequestError(UserError):
@@ -37,10 +40,10 @@ def bucket(n: int, buckets: Sequence[int]) -> int:
     return buckets[-1]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "greedy_only"), donate_argnames=("cache",))
-def decode_step(params, cache, tokens_B, positions_B, seeds_B, sampling: SamplingParams, *, cfg, greedy_only):
+@functools.partial(jax.jit, static_argnames=("cfg", "greedy_only", "window"), donate_argnames=("cache",))
+def decode_step(params, cache, tokens_B, positions_B, seeds_B, sampling: SamplingParams, *, cfg, greedy_only, window):
     """Feed one token per row at its position, sample the next. Returns (next tokens [B], cache)."""
-    out, cache = model.forward(params, cache, tokens_B[:, None], positions_B, cfg=cfg)
+    out, cache = model.forward(params, cache, tokens_B[:, None], positions_B, cfg=cfg, window=window)
     return sample(out.logits[:, 0], sampling, seeds_B, positions_B + 1, greedy_only=greedy_only), cache
 
 
@@ -80,6 +83,7 @@ class Generator:
         self.cfg, self.params, self.max_seq_len = cfg, params, max_seq_len
         self.prefill_buckets = tuple(b for b in sorted(prefill_buckets) if b <= max_seq_len) or (max_seq_len,)
         self.batch_buckets = tuple(sorted(batch_buckets))
+        self.window_buckets = tuple(w for w in WINDOW_BUCKETS if w < max_seq_len) + (max_seq_len,)
         self.stats = StepStats()
 
     def _check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
@@ -102,6 +106,10 @@ class Generator:
                 raise RequestError(
                     f"prompt {i} has token id {bad[0]} outside the vocabulary 0..{self.cfg.vocab_size - 1}"
                 )
+
+    def window(self, context: int) -> int:
+        """The attention window bucket covering ``context`` slots."""
+        return bucket(context, self.window_buckets)
 
     def prefill(self, prompts: Sequence[Sequence[int]], batch: int):
         """Prefill prompts (padded to ``batch`` rows) into a fresh cache; long prompts go in chunks of the
@@ -126,6 +134,7 @@ class Generator:
                 jnp.asarray(np.maximum(n_B, 1)),
                 jnp.full((batch,), start, jnp.int32),
                 cfg=self.cfg,
+                window=self.window(start + T),
             )
             ended_here = jnp.asarray((lengths > start) & (lengths <= start + T))[:, None]
             logits = out.logits if logits is None else jnp.where(ended_here, out.logits, logits)
@@ -188,7 +197,15 @@ class Generator:
             # output and are never read.
             step_pos = jnp.asarray(np.minimum(positions, self.max_seq_len - 1))
             tokens, cache = decode_step(
-                self.params, cache, tokens, step_pos, seeds, sampling, cfg=self.cfg, greedy_only=greedy_only
+                self.params,
+                cache,
+                tokens,
+                step_pos,
+                seeds,
+                sampling,
+                cfg=self.cfg,
+                greedy_only=greedy_only,
+                window=self.window(int(positions[~done].max()) + 1),
             )
             tokens_host = np.asarray(tokens)
             positions += 1

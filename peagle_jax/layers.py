@@ -51,7 +51,7 @@ class Attention(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x_BTD, cos_BTH, sin_BTH, k_BSGH, v_BSGH, start_B, visible_BTS):
+    def __call__(self, x_BTD, cos_BTH, sin_BTH, k_BGSH, v_BGSH, start_B, visible_BTS):
         s, dt = self.spec, self.dtype
 
         def proj(name, heads):
@@ -72,9 +72,12 @@ class Attention(nn.Module):
             k_BTGH = RMSNorm(s.eps, dt, name="k_norm")(k_BTGH)
         q_BTNH = ops.apply_rope(q_BTNH, cos_BTH, sin_BTH)
         k_BTGH = ops.apply_rope(k_BTGH, cos_BTH, sin_BTH)
-        k_BSGH = write_rows(k_BSGH, k_BTGH, start_B)
-        v_BSGH = write_rows(v_BSGH, v_BTGH, start_B)
-        out_BTNH = ops.attention(q_BTNH, k_BSGH, v_BSGH, visible_BTS)
+        k_BGSH = write_rows(k_BGSH, k_BTGH, start_B)
+        v_BGSH = write_rows(v_BGSH, v_BTGH, start_B)
+        # Attend over the first W slots only (W = the visibility mask's width, a static window bucket that
+        # covers every row's context): the cost follows the context, not the cache size.
+        W = visible_BTS.shape[-1]
+        out_BTNH = ops.attention(q_BTNH, k_BGSH[:, :, :W], v_BGSH[:, :, :W], visible_BTS)
         y_BTD = nn.DenseGeneral(
             s.out_dim,
             axis=(-2, -1),
@@ -84,7 +87,7 @@ class Attention(nn.Module):
             kernel_init=_init,
             name="o_proj",
         )(out_BTNH)
-        return y_BTD, k_BSGH, v_BSGH
+        return y_BTD, k_BGSH, v_BGSH
 
 
 class MLP(nn.Module):
@@ -114,18 +117,18 @@ class DecoderLayer(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x_BTD, cos_BTH, sin_BTH, k_BSGH, v_BSGH, start_B, visible_BTS):
+    def __call__(self, x_BTD, cos_BTH, sin_BTH, k_BGSH, v_BGSH, start_B, visible_BTS):
         eps, dt = self.attn.eps, self.dtype
-        y_BTD, k_BSGH, v_BSGH = Attention(self.attn, dt, name="self_attn")(
+        y_BTD, k_BGSH, v_BGSH = Attention(self.attn, dt, name="self_attn")(
             RMSNorm(eps, dt, name="input_layernorm")(x_BTD),
             cos_BTH,
             sin_BTH,
-            k_BSGH,
-            v_BSGH,
+            k_BGSH,
+            v_BGSH,
             start_B,
             visible_BTS,
         )
         h_BTD = x_BTD + y_BTD
         mlp = MLP(self.mlp_hidden, self.mlp_bias, dt, name="mlp")
         h_BTD = h_BTD + mlp(RMSNorm(eps, dt, name="post_attention_layernorm")(h_BTD))
-        return h_BTD, k_BSGH, v_BSGH
+        return h_BTD, k_BGSH, v_BGSH

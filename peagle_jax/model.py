@@ -98,8 +98,12 @@ def forward(
     mask_BTT=None,
     positions_BT=None,
     logits_at_BM=None,
+    window: int | None = None,
 ):
     """T new tokens per row, written to cache slots ``start[b] .. start[b]+T-1``.
+
+    ``window`` (static) limits attention to the first W cache slots; the caller picks a bucket with
+    ``start[b] + T <= W`` for every live row, so the attention cost follows the context length.
 
     ``positions_BT`` are the RoPE positions (default: the write slots; a tree passes its depths instead).
     ``mask_BTT`` says which new tokens each new token sees (default causal); committed slots below
@@ -110,7 +114,7 @@ def forward(
     start_B = start_B.astype(jnp.int32)
     if positions_BT is None:
         positions_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    visible_BTS = ops.visible_mask(start_B, T, cache.num_slots, mask_BTT)
+    visible_BTS = ops.visible_mask(start_B, T, min(window or cache.num_slots, cache.num_slots), mask_BTT)
     return Transformer(cfg).apply(
         {"params": params},
         tokens_BT.astype(jnp.int32),
@@ -122,14 +126,16 @@ def forward(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def forward_jit(params, cache, tokens_BT, start_B, mask_BTT=None, positions_BT=None, *, cfg):
+@functools.partial(jax.jit, static_argnames=("cfg", "window"), donate_argnames=("cache",))
+def forward_jit(params, cache, tokens_BT, start_B, mask_BTT=None, positions_BT=None, *, cfg, window=None):
     """Jitted :func:`forward` returning logits at every new position (verification, tests)."""
-    return forward(params, cache, tokens_BT, start_B, cfg=cfg, mask_BTT=mask_BTT, positions_BT=positions_BT)
+    return forward(
+        params, cache, tokens_BT, start_B, cfg=cfg, mask_BTT=mask_BTT, positions_BT=positions_BT, window=window
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def prefill(params, cache, tokens_BT, lengths_B, start_B, *, cfg):
+@functools.partial(jax.jit, static_argnames=("cfg", "window"), donate_argnames=("cache",))
+def prefill(params, cache, tokens_BT, lengths_B, start_B, *, cfg, window=None):
     """Prefill a batch of prompts padded to one length bucket T (right padding).
 
     Row b's prompt is ``tokens[b, :lengths[b]]``, written at slots ``start[b]..`` (``start`` is 0 for a fresh
@@ -138,5 +144,5 @@ def prefill(params, cache, tokens_BT, lengths_B, start_B, *, cfg):
     Returns logits [B, V] at each row's last prompt token, aux [B, T, A*D], hidden [B, T, D], and the cache.
     """
     last_B1 = jnp.maximum(lengths_B - 1, 0).astype(jnp.int32)[:, None]
-    out, cache = forward(params, cache, tokens_BT, start_B, cfg=cfg, logits_at_BM=last_B1)
+    out, cache = forward(params, cache, tokens_BT, start_B, cfg=cfg, logits_at_BM=last_B1, window=window)
     return ForwardOut(out.logits[:, 0], out.aux, out.hidden), cache

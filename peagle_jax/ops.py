@@ -80,17 +80,21 @@ def visible_mask(start_B, num_new: int, num_slots: int, mask_BTT=None):
     return committed_B1S | (in_new_BS[:, None, :] & among_new_BTS)
 
 
-def attention(q_BTNH, k_BSGH, v_BSGH, visible_BTS):
-    """Grouped-query attention of T new queries over S cache slots; softmax in fp32."""
+def attention(q_BTNH, k_BGSH, v_BGSH, visible_BTS):
+    """Grouped-query attention of T new queries over S cache slots; softmax in fp32.
+
+    The R query heads sharing a kv head are folded into the matmul rows (``[R*T, H] x [S, H]`` per row and
+    kv head), so the cache is read once per kv head.
+    """
     B, T, N, H = q_BTNH.shape
-    G = k_BSGH.shape[2]
-    q_BTGRH = q_BTNH.reshape(B, T, G, N // G, H)
-    scores_BGRTS = jnp.einsum("BTGRH,BSGH->BGRTS", q_BTGRH, k_BSGH, preferred_element_type=jnp.float32)
+    G = k_BGSH.shape[1]
+    q_BGRTH = jnp.transpose(q_BTNH.reshape(B, T, G, N // G, H), (0, 2, 3, 1, 4))
+    scores_BGRTS = jnp.einsum("BGRTH,BGSH->BGRTS", q_BGRTH, k_BGSH, preferred_element_type=jnp.float32)
     scores_BGRTS = scores_BGRTS * (1.0 / math.sqrt(H))
     scores_BGRTS = jnp.where(visible_BTS[:, None, None, :, :], scores_BGRTS, MASK_VALUE)
-    probs_BGRTS = jax.nn.softmax(scores_BGRTS, axis=-1).astype(v_BSGH.dtype)
-    out_BTGRH = jnp.einsum("BGRTS,BSGH->BTGRH", probs_BGRTS, v_BSGH)
-    return out_BTGRH.reshape(B, T, N, H)
+    probs_BGRTS = jax.nn.softmax(scores_BGRTS, axis=-1).astype(v_BGSH.dtype)
+    out_BGRTH = jnp.einsum("BGRTS,BGSH->BGRTH", probs_BGRTS, v_BGSH)
+    return jnp.transpose(out_BGRTH, (0, 3, 1, 2, 4)).reshape(B, T, N, H)
 
 
 def argmax_first(x, axis: int = -1):
