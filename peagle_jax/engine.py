@@ -83,7 +83,11 @@ class Generator:
         self.cfg, self.params, self.max_seq_len = cfg, params, max_seq_len
         self.prefill_buckets = tuple(b for b in sorted(prefill_buckets) if b <= max_seq_len) or (max_seq_len,)
         self.batch_buckets = tuple(sorted(batch_buckets))
-        self.window_buckets = tuple(w for w in WINDOW_BUCKETS if w < max_seq_len) + (max_seq_len,)
+        # Cache slots: max_seq_len rounded up to whole prefill chunks, so that a padded last chunk still fits
+        # (the cache write requires start + T <= S for every row).
+        chunk = self.prefill_buckets[-1]
+        self.num_slots = -(-max_seq_len // chunk) * chunk
+        self.window_buckets = tuple(w for w in WINDOW_BUCKETS if w < self.num_slots) + (self.num_slots,)
         self.stats = StepStats()
 
     def _check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
@@ -114,7 +118,7 @@ class Generator:
     def prefill(self, prompts: Sequence[Sequence[int]], batch: int):
         """Prefill prompts (padded to ``batch`` rows) into a fresh cache; long prompts go in chunks of the
         largest bucket. Returns (last-token logits [batch, V], cache)."""
-        cache = model.new_cache(self.cfg, batch, self.max_seq_len)
+        cache = model.new_cache(self.cfg, batch, self.num_slots)
         lengths = np.array([len(p) for p in prompts] + [1] * (batch - len(prompts)), np.int32)
         chunk = self.prefill_buckets[-1]
         logits = None
@@ -139,6 +143,26 @@ class Generator:
             ended_here = jnp.asarray((lengths > start) & (lengths <= start + T))[:, None]
             logits = out.logits if logits is None else jnp.where(ended_here, out.logits, logits)
         return logits, cache
+
+    def warmup(self, batch: int, prompt_len: int, max_new_tokens: int, *, greedy_only: bool = True) -> float:
+        """Compile, by running once on scratch inputs, every graph a request of this size will use: the
+        prefill buckets of the prompt and a decode step for each attention window its context crosses.
+        Returns the seconds spent."""
+        t0 = time.perf_counter()
+        B = bucket(batch, self.batch_buckets)
+        _, cache = self.prefill([[0] * prompt_len] * B, B)
+        sampling = SamplingParams.make(B)
+        seeds = jnp.zeros(B, jnp.uint32)
+        tokens = jnp.zeros(B, jnp.int32)
+        first, last = self.window(prompt_len + 1), self.window(prompt_len + max_new_tokens)
+        for w in self.window_buckets:
+            if first <= w <= last:
+                pos = jnp.full(B, w - 1, jnp.int32)
+                tokens, cache = decode_step(
+                    self.params, cache, tokens, pos, seeds, sampling, cfg=self.cfg, greedy_only=greedy_only, window=w
+                )
+        jax.block_until_ready(tokens)
+        return time.perf_counter() - t0
 
     def stream(
         self,

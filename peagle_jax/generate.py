@@ -107,6 +107,8 @@ def run(args) -> dict:
     from peagle_jax.weights import load_target
 
     check_sampling_args(args.temperature, args.top_k, args.top_p)
+    if args.max_seq_len < 2:  # checked here: the Generator raises a plain ValueError for it
+        raise UserError(f"--max-seq-len must be >= 2, got {args.max_seq_len}")
     model_dir = resolve_model_dir(args.model)
     tokenizer = load_tokenizer(model_dir)
     prompt = encode_prompt(args, tokenizer)
@@ -115,6 +117,7 @@ def run(args) -> dict:
     stop_ids = set(cfg.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         stop_ids.add(tokenizer.eos_token_id)
+    compile_s = gen.warmup(1, len(prompt), args.max_new_tokens, greedy_only=args.temperature == 0)
     out: list[int] = []
     printed = ""
     t_first = None
@@ -145,6 +148,7 @@ def run(args) -> dict:
         "prompt_tokens": len(prompt),
         "completion_tokens": len(out),
         "finish_reason": "stop" if out and out[-1] in stop_ids else "length",
+        "compile_s": round(compile_s, 3),
         "time_to_first_token_s": round(t_first - t0, 4),
         # Decode throughput: tokens after the first over the time after the first (excludes compile+prefill).
         "tokens_per_s": round(decode_tokens / (t_end - t_first), 2) if decode_tokens else 0.0,

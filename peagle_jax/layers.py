@@ -1,9 +1,16 @@
 """Flax modules for a pre-norm Llama-style decoder layer, shared by the target and the drafter.
 
-Parameter names mirror the Hugging Face checkpoint keys (``self_attn.q_proj``, ``mlp.gate_proj``,
-``input_layernorm``...), so conversion is a rename plus one transpose per matrix. Matrices are stored in
-the layout the einsums want: ``q_proj.kernel`` is ``[D, N, H]``, ``o_proj.kernel`` is ``[N, H, D]``,
-``mlp.*_proj.kernel`` is ``[in, out]``.
+Parameter names mirror the Hugging Face checkpoint keys (``self_attn.o_proj``, ``mlp.down_proj``,
+``input_layernorm``...), so conversion is a rename plus one transpose per matrix. Two pairs are stacked, as
+vLLM stacks them, because on a CPU one larger matmul beats several small ones in a decode step:
+
+- ``self_attn.qkv_proj.kernel`` ``[D, G, R+2, H]``: for each kv head g, its R query heads (the HF query
+  heads ``g*R .. g*R+R-1``, which share kv head g), then its key head, then its value head. Grouping by kv
+  head keeps each group whole when the G axis is sharded for tensor parallelism.
+- ``mlp.gate_up_proj.kernel`` ``[D, 2, F]``: gate then up.
+
+Other matrices are stored in the layout the einsums want: ``o_proj.kernel`` ``[N, H, D]``,
+``down_proj.kernel`` ``[F, D]``.
 """
 
 from __future__ import annotations
@@ -54,19 +61,14 @@ class Attention(nn.Module):
     def __call__(self, x_BTD, cos_BTH, sin_BTH, k_BGSH, v_BGSH, start_B, visible_BTS):
         s, dt = self.spec, self.dtype
 
-        def proj(name, heads):
-            return nn.DenseGeneral(
-                (heads, s.head_dim),
-                use_bias=s.qkv_bias,
-                dtype=dt,
-                param_dtype=dt,
-                kernel_init=_init,
-                name=name,
-            )(x_BTD)
-
-        q_BTNH = proj("q_proj", s.num_heads)
-        k_BTGH = proj("k_proj", s.num_kv_heads)
-        v_BTGH = proj("v_proj", s.num_kv_heads)
+        G, R, H = s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim
+        qkv_BTGCH = nn.DenseGeneral(
+            (G, R + 2, H), use_bias=s.qkv_bias, dtype=dt, param_dtype=dt, kernel_init=_init, name="qkv_proj"
+        )(x_BTD)
+        B, T = x_BTD.shape[:2]
+        q_BTNH = qkv_BTGCH[:, :, :, :R].reshape(B, T, G * R, H)
+        k_BTGH = qkv_BTGCH[:, :, :, R]
+        v_BTGH = qkv_BTGCH[:, :, :, R + 1]
         if s.qk_norm:
             q_BTNH = RMSNorm(s.eps, dt, name="q_norm")(q_BTNH)
             k_BTGH = RMSNorm(s.eps, dt, name="k_norm")(k_BTGH)
@@ -91,7 +93,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up stacked in ``gate_up_proj``."""
 
     hidden: int
     bias: bool = False
@@ -100,12 +102,12 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x_BTD):
         D, dt = x_BTD.shape[-1], self.dtype
-
-        def linear(name, n_out):
-            return nn.Dense(n_out, use_bias=self.bias, dtype=dt, param_dtype=dt, kernel_init=_init, name=name)
-
-        h_BTF = jax.nn.silu(linear("gate_proj", self.hidden)(x_BTD)) * linear("up_proj", self.hidden)(x_BTD)
-        return linear("down_proj", D)(h_BTF)
+        gate_up_BT2F = nn.DenseGeneral(
+            (2, self.hidden), use_bias=self.bias, dtype=dt, param_dtype=dt, kernel_init=_init, name="gate_up_proj"
+        )(x_BTD)
+        h_BTF = jax.nn.silu(gate_up_BT2F[:, :, 0]) * gate_up_BT2F[:, :, 1]
+        down = nn.Dense(D, use_bias=self.bias, dtype=dt, param_dtype=dt, kernel_init=_init, name="down_proj")
+        return down(h_BTF)
 
 
 class DecoderLayer(nn.Module):

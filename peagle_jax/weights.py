@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from peagle_jax.config import ModelConfig, load_hf_config
 from peagle_jax.errors import UserError
@@ -27,47 +27,58 @@ class WeightsError(UserError):
     """A checkpoint that does not fit the config; the message names the tensor or file."""
 
 
-class _Rule:
-    """One kind of tensor: HF name template <-> parameter path template, with the layout change."""
+_ALL = slice(None)
 
-    def __init__(self, hf: str, path: str, to_jax: Callable, to_hf: Callable):
-        self.hf, self.path, self.to_jax, self.to_hf = hf, path, to_jax, to_hf
+
+class _Rule:
+    """One kind of tensor: HF name template <-> parameter path template, with the layout change.
+
+    ``index`` selects the part of the parameter that the tensor fills, for stacked parameters (q/k/v in
+    ``qkv_proj``, gate/up in ``gate_up_proj``); ``None`` means the whole parameter.
+    """
+
+    def __init__(self, hf: str, path: str, to_jax: Callable, to_hf: Callable, index: tuple | None = None):
+        self.hf, self.path, self.to_jax, self.to_hf, self.index = hf, path, to_jax, to_hf, index
         self.hf_re = re.compile(re.escape(hf).replace(r"\{\}", r"([^./]+)") + "$")
         self.path_re = re.compile(re.escape(path).replace(r"\{\}", r"([^./]+)") + "$")
 
 
 def _rules(cfg: ModelConfig) -> list[_Rule]:
     N, G, H, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
-
-    def heads_in(n):  # [n*H, D] <-> [D, n, H]
-        return lambda w: w.T.reshape(D, n, H), lambda p: p.reshape(D, n * H).T
-
-    def heads_bias(n):  # [n*H] <-> [n, H]
-        return lambda b: b.reshape(n, H), lambda p: p.reshape(n * H)
-
+    R = N // G
     same = (lambda w: w, lambda p: p)
     transpose = (lambda w: w.T, lambda p: p.T)
+    # HF q_proj rows are query heads n = g*R + r; they land in qkv_proj[:, g, r]. k and v heads in [:, g, R|R+1].
+    q_w = (lambda w: w.T.reshape(D, G, R, H), lambda p: p.reshape(D, N * H).T)
+    kv_w = (lambda w: w.T.reshape(D, G, H), lambda p: p.reshape(D, G * H).T)
+    q_b = (lambda b: b.reshape(G, R, H), lambda p: p.reshape(N * H))
+    kv_b = (lambda b: b.reshape(G, H), lambda p: p.reshape(G * H))
     o_proj = (lambda w: w.T.reshape(N, H, D), lambda p: p.reshape(N * H, D).T)
     attn, lay = "model.layers.{}.self_attn.", "layers.{}/self_attn/"
+    mlp, lmlp = "model.layers.{}.mlp.", "layers.{}/mlp/"
     table = [
-        ("model.embed_tokens.weight", "embed_tokens", same),
-        ("model.norm.weight", "norm/weight", same),
-        ("lm_head.weight", "lm_head/kernel", transpose),
-        (attn + "q_proj.weight", lay + "q_proj/kernel", heads_in(N)),
-        (attn + "k_proj.weight", lay + "k_proj/kernel", heads_in(G)),
-        (attn + "v_proj.weight", lay + "v_proj/kernel", heads_in(G)),
-        (attn + "q_proj.bias", lay + "q_proj/bias", heads_bias(N)),
-        (attn + "k_proj.bias", lay + "k_proj/bias", heads_bias(G)),
-        (attn + "v_proj.bias", lay + "v_proj/bias", heads_bias(G)),
-        (attn + "o_proj.weight", lay + "o_proj/kernel", o_proj),
-        (attn + "o_proj.bias", lay + "o_proj/bias", same),
-        (attn + "q_norm.weight", lay + "q_norm/weight", same),
-        (attn + "k_norm.weight", lay + "k_norm/weight", same),
-        ("model.layers.{}.mlp.{}.weight", "layers.{}/mlp/{}/kernel", transpose),
-        ("model.layers.{}.mlp.{}.bias", "layers.{}/mlp/{}/bias", same),
-        ("model.layers.{}.{}.weight", "layers.{}/{}/weight", same),
+        ("model.embed_tokens.weight", "embed_tokens", same, None),
+        ("model.norm.weight", "norm/weight", same, None),
+        ("lm_head.weight", "lm_head/kernel", transpose, None),
+        (attn + "q_proj.weight", lay + "qkv_proj/kernel", q_w, (_ALL, _ALL, slice(0, R))),
+        (attn + "k_proj.weight", lay + "qkv_proj/kernel", kv_w, (_ALL, _ALL, R)),
+        (attn + "v_proj.weight", lay + "qkv_proj/kernel", kv_w, (_ALL, _ALL, R + 1)),
+        (attn + "q_proj.bias", lay + "qkv_proj/bias", q_b, (_ALL, slice(0, R))),
+        (attn + "k_proj.bias", lay + "qkv_proj/bias", kv_b, (_ALL, R)),
+        (attn + "v_proj.bias", lay + "qkv_proj/bias", kv_b, (_ALL, R + 1)),
+        (attn + "o_proj.weight", lay + "o_proj/kernel", o_proj, None),
+        (attn + "o_proj.bias", lay + "o_proj/bias", same, None),
+        (attn + "q_norm.weight", lay + "q_norm/weight", same, None),
+        (attn + "k_norm.weight", lay + "k_norm/weight", same, None),
+        (mlp + "gate_proj.weight", lmlp + "gate_up_proj/kernel", transpose, (_ALL, 0)),
+        (mlp + "up_proj.weight", lmlp + "gate_up_proj/kernel", transpose, (_ALL, 1)),
+        (mlp + "gate_proj.bias", lmlp + "gate_up_proj/bias", same, (0,)),
+        (mlp + "up_proj.bias", lmlp + "gate_up_proj/bias", same, (1,)),
+        (mlp + "down_proj.weight", lmlp + "down_proj/kernel", transpose, None),
+        (mlp + "down_proj.bias", lmlp + "down_proj/bias", same, None),
+        ("model.layers.{}.{}.weight", "layers.{}/{}/weight", same, None),
     ]
-    return [_Rule(hf, path, fwd, inv) for hf, path, (fwd, inv) in table]
+    return [_Rule(hf, path, fwd, inv, index) for hf, path, (fwd, inv), index in table]
 
 
 def _match(rules: list[_Rule], name: str, attr: str) -> tuple[_Rule, tuple[str, ...]] | None:
@@ -76,6 +87,16 @@ def _match(rules: list[_Rule], name: str, attr: str) -> tuple[_Rule, tuple[str, 
         if m:
             return rule, m.groups()
     return None
+
+
+def _parts(rules: list[_Rule], path: str) -> list[tuple[_Rule, str]]:
+    """Every (rule, HF name) that fills parameter ``path``: one, or several for a stacked parameter."""
+    parts = []
+    for rule in rules:
+        m = rule.path_re.match(path)
+        if m:
+            parts.append((rule, rule.hf.format(*m.groups())))
+    return parts
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -111,6 +132,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
     expected = expected_shapes(cfg)
     rules = _rules(cfg)
     flat: dict[str, np.ndarray] = {}
+    seen: set[str] = set()
     for name, array in tensors.items():
         if _SKIP.match(name):
             continue
@@ -123,18 +145,23 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
         path = rule.path.format(*groups)
         if path not in expected:
             raise WeightsError(f"unexpected tensor {name!r}: the config has no parameter {path!r}")
-        value = rule.to_jax(np.asarray(array))
         shape, dtype = expected[path]
-        if value.shape != shape:
+        want = shape if rule.index is None else np.empty(shape, np.int8)[rule.index].shape
+        hf_shape = tuple(rule.to_hf(np.empty(want, np.int8)).shape)
+        if tuple(np.shape(array)) != hf_shape:  # checked before to_jax, whose reshape would fail unnamed
             raise WeightsError(
                 f"tensor {name!r} has shape {tuple(np.shape(array))}, which does not fit the config "
-                f"(expected {tuple(rule.to_hf(np.empty(shape, np.float32)).shape)})"
+                f"(expected {hf_shape})"
             )
-        flat[path] = value.astype(dtype)
-    missing = sorted(set(expected) - set(flat))
+        value = rule.to_jax(np.asarray(array))
+        if rule.index is None:
+            flat[path] = value.astype(dtype)
+        else:
+            flat.setdefault(path, np.empty(shape, dtype))[rule.index] = value
+        seen.add(name)
+    missing = sorted(hf for path in expected for _, hf in _parts(rules, path) if hf not in seen)
     if missing:
-        names = [_hf_name(rules, p) for p in missing]
-        raise WeightsError(f"missing tensor(s) {names[:5]}{' ...' if len(names) > 5 else ''}")
+        raise WeightsError(f"missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     return _unflatten(flat)
 
 
@@ -143,14 +170,11 @@ def params_to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     rules = _rules(cfg)
     out = {}
     for path, value in _flatten(params):
-        rule, groups = _match(rules, path, "path_re")
-        out[rule.hf.format(*groups)] = np.ascontiguousarray(rule.to_hf(np.asarray(value)))
+        value = np.asarray(value)
+        for rule, hf in _parts(rules, path):
+            part = value if rule.index is None else value[rule.index]
+            out[hf] = np.ascontiguousarray(rule.to_hf(part))
     return out
-
-
-def _hf_name(rules: list[_Rule], path: str) -> str:
-    rule, groups = _match(rules, path, "path_re")
-    return rule.hf.format(*groups)
 
 
 def read_safetensors(model_dir: str | Path) -> dict[str, np.ndarray]:
@@ -158,8 +182,12 @@ def read_safetensors(model_dir: str | Path) -> dict[str, np.ndarray]:
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({model_dir / f for f in weight_map.values()})
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            shard_names = set(weight_map.values())
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+            raise WeightsError(f"{index}: not a safetensors index with a 'weight_map' ({err!r})") from None
+        files = sorted({model_dir / f for f in shard_names})
         for f in files:
             if not f.is_file():
                 raise WeightsError(f"{index} names shard {f.name}, which is missing")
@@ -169,17 +197,20 @@ def read_safetensors(model_dir: str | Path) -> dict[str, np.ndarray]:
         if list(model_dir.glob("*.bin")) or list(model_dir.glob("*.pt")):
             raise WeightsError(
                 f"{model_dir} holds only pickled PyTorch weights (*.bin); they are refused because unpickling "
-                "can run code. Convert them to safetensors first (transformers: save_pretrained(..., "
-                "safe_serialization=True))"
+                "can run code. Convert them to safetensors first (transformers: from_pretrained, then "
+                "save_pretrained, which writes safetensors)"
             )
         raise WeightsError(f"{model_dir}: no *.safetensors weights found")
     tensors: dict[str, np.ndarray] = {}
     for f in files:
-        with safe_open(f, framework="numpy") as st:
-            for name in st.keys():
-                if name in tensors:
-                    raise WeightsError(f"tensor {name!r} appears in more than one shard")
-                tensors[name] = st.get_tensor(name)
+        try:
+            with safe_open(f, framework="numpy") as st:
+                for name in st.keys():
+                    if name in tensors:
+                        raise WeightsError(f"tensor {name!r} appears in more than one shard")
+                    tensors[name] = st.get_tensor(name)
+        except SafetensorError as err:
+            raise WeightsError(f"{f}: not a readable safetensors file ({err})") from None
     return tensors
 
 

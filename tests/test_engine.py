@@ -48,6 +48,14 @@ def test_greedy_matches_reference_with_mixed_lengths_and_chunked_prefill(params)
         assert r.finish_reason == "length"
 
 
+def test_max_seq_len_not_a_multiple_of_the_prefill_chunk(params):
+    gen = Generator(CFG, params, max_seq_len=50, prefill_buckets=(8, 16))
+    prompt = list(range(1, 41))  # chunks at 0, 16, 32; the last one padded to 16 slots past max_seq_len
+    assert gen.generate([prompt], max_new_tokens=10, stop_token_ids=[])[0].token_ids == _reference_greedy(
+        params, prompt, 10
+    )
+
+
 def test_batch_equals_single_rows_with_sampling(params):
     gen = Generator(CFG, params, max_seq_len=64)
     prompts = [[3, 4, 5, 6], [7, 8], [9, 10, 11]]
