@@ -180,6 +180,9 @@ _REFUSED_IF_SET = {
 }
 
 
+_LLAMA3_ROPE_KEYS = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+
+
 def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
     """Read RoPE from either transformers-5 ``rope_parameters`` or the older ``rope_theta``/``rope_scaling``."""
     params = dict(hf.get("rope_parameters") or {})
@@ -195,6 +198,9 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
         if extra:
             raise ConfigError(f"rope parameters {sorted(extra)} are not implemented for rope_type 'default'")
         return RopeConfig(theta=float(theta))
+    missing = sorted(_LLAMA3_ROPE_KEYS - set(params))
+    if missing:
+        raise ConfigError(f"rope_type 'llama3' needs rope parameters {missing}, which the config lacks")
     return RopeConfig(
         theta=float(theta),
         type="llama3",
@@ -209,8 +215,13 @@ def _refuse_unsupported(hf: dict[str, Any], family: str) -> None:
     for key, what in _REFUSED_IF_SET.items():
         if hf.get(key):
             raise ConfigError(f"config attribute {key}={hf[key]!r} ({what}) is not supported")
-    if hf.get("use_sliding_window") or (family == "llama" and hf.get("sliding_window")):
-        raise ConfigError(f"config attribute sliding_window={hf.get('sliding_window')!r} is not supported")
+    if hf.get("use_sliding_window"):
+        raise ConfigError(
+            f"config attribute use_sliding_window={hf['use_sliding_window']!r} (sliding_window="
+            f"{hf.get('sliding_window')!r}) is not supported"
+        )
+    if family == "llama" and hf.get("sliding_window"):
+        raise ConfigError(f"config attribute sliding_window={hf['sliding_window']!r} is not supported")
     layer_types = hf.get("layer_types")
     if layer_types and any(t != "full_attention" for t in layer_types):
         raise ConfigError(f"config attribute layer_types={sorted(set(layer_types))} is not supported")
@@ -227,11 +238,17 @@ def _refuse_unsupported(hf: dict[str, Any], family: str) -> None:
         )
 
 
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
 def from_hf_config(hf: dict[str, Any], *, dtype: str = "float32", aux_layer_ids=None) -> ModelConfig:
     """Build a :class:`ModelConfig` from a Hugging Face config dict, refusing what is not implemented."""
     family = hf.get("model_type")
     if family not in FAMILIES:
         raise ConfigError(f"model_type {family!r} is not supported; supported: {', '.join(FAMILIES)}")
+    missing = [k for k in _REQUIRED if hf.get(k) is None]
+    if missing:
+        raise ConfigError(f"config attribute(s) {missing} missing; a {family} config needs them")
     _refuse_unsupported(hf, family)
     num_heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
@@ -312,4 +329,6 @@ def load_hf_config(model_dir: str | Path, **kwargs) -> ModelConfig:
         hf = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ConfigError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(hf).__name__}")
     return from_hf_config(hf, **kwargs)
