@@ -79,7 +79,7 @@ class Generator:
         batch_buckets: Sequence[int] = BATCH_BUCKETS,
     ):
         if max_seq_len < 2:
-            raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
+            raise RequestError(f"max_seq_len must be >= 2, got {max_seq_len}")
         self.cfg, self.params, self.max_seq_len = cfg, params, max_seq_len
         self.prefill_buckets = tuple(b for b in sorted(prefill_buckets) if b <= max_seq_len) or (max_seq_len,)
         self.batch_buckets = tuple(sorted(batch_buckets))

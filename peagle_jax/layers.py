@@ -1,16 +1,17 @@
 """Flax modules for a pre-norm Llama-style decoder layer, shared by the target and the drafter.
 
 Parameter names mirror the Hugging Face checkpoint keys (``self_attn.o_proj``, ``mlp.down_proj``,
-``input_layernorm``...), so conversion is a rename plus one transpose per matrix. Two pairs are stacked, as
-vLLM stacks them, because on a CPU one larger matmul beats several small ones in a decode step:
+``input_layernorm``...), and matrices keep Hugging Face's ``[out, in]`` layout (``weight``), only reshaped
+to expose heads, so conversion is a rename plus a reshape. ``[out, in]`` is also what a CPU matrix-vector
+product reads fastest in a decode step (measured: about 15% faster than ``[in, out]`` over SmolLM2's layers).
+Two pairs are stacked, as vLLM stacks them, because one larger matmul beats several small ones:
 
-- ``self_attn.qkv_proj.kernel`` ``[D, G, R+2, H]``: for each kv head g, its R query heads (the HF query
+- ``self_attn.qkv_proj.weight`` ``[G, R+2, H, D]``: for each kv head g, its R query heads (the HF query
   heads ``g*R .. g*R+R-1``, which share kv head g), then its key head, then its value head. Grouping by kv
   head keeps each group whole when the G axis is sharded for tensor parallelism.
-- ``mlp.gate_up_proj.kernel`` ``[D, 2, F]``: gate then up.
+- ``mlp.gate_up_proj.weight`` ``[2, F, D]``: gate then up.
 
-Other matrices are stored in the layout the einsums want: ``o_proj.kernel`` ``[N, H, D]``,
-``down_proj.kernel`` ``[F, D]``.
+Others: ``o_proj.weight`` ``[D, N, H]``, ``down_proj.weight`` ``[D, F]``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,27 @@ from peagle_jax import ops
 from peagle_jax.cache import write_rows
 
 _init = nn.initializers.normal(stddev=0.02)
+
+
+class Linear(nn.Module):
+    """``y = x . W^T (+ b)`` with ``W`` of shape ``features + in_shape`` (Hugging Face ``[out, in]``, heads
+    exposed): contracts the last ``in_axes`` axes of ``x`` with the trailing axes of ``W``."""
+
+    features: tuple[int, ...]
+    in_axes: int = 1
+    use_bias: bool = False
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        in_shape = x.shape[x.ndim - self.in_axes :]
+        weight = self.param("weight", _init, (*self.features, *in_shape), self.dtype)
+        y = ops.linear(weight, x, self.in_axes)
+        lead = x.shape[: x.ndim - self.in_axes]
+        if self.use_bias:
+            bias = self.param("bias", nn.initializers.zeros, self.features, self.dtype)
+            y = y + bias.reshape((1,) * len(lead) + bias.shape)
+        return y
 
 
 class RMSNorm(nn.Module):
@@ -62,9 +84,7 @@ class Attention(nn.Module):
         s, dt = self.spec, self.dtype
 
         G, R, H = s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim
-        qkv_BTGCH = nn.DenseGeneral(
-            (G, R + 2, H), use_bias=s.qkv_bias, dtype=dt, param_dtype=dt, kernel_init=_init, name="qkv_proj"
-        )(x_BTD)
+        qkv_BTGCH = Linear((G, R + 2, H), use_bias=s.qkv_bias, dtype=dt, name="qkv_proj")(x_BTD)
         B, T = x_BTD.shape[:2]
         q_BTNH = qkv_BTGCH[:, :, :, :R].reshape(B, T, G * R, H)
         k_BTGH = qkv_BTGCH[:, :, :, R]
@@ -80,15 +100,7 @@ class Attention(nn.Module):
         # covers every row's context): the cost follows the context, not the cache size.
         W = visible_BTS.shape[-1]
         out_BTNH = ops.attention(q_BTNH, k_BGSH[:, :, :W], v_BGSH[:, :, :W], visible_BTS)
-        y_BTD = nn.DenseGeneral(
-            s.out_dim,
-            axis=(-2, -1),
-            use_bias=s.o_bias,
-            dtype=dt,
-            param_dtype=dt,
-            kernel_init=_init,
-            name="o_proj",
-        )(out_BTNH)
+        y_BTD = Linear((s.out_dim,), in_axes=2, use_bias=s.o_bias, dtype=dt, name="o_proj")(out_BTNH)
         return y_BTD, k_BGSH, v_BGSH
 
 
@@ -102,12 +114,9 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x_BTD):
         D, dt = x_BTD.shape[-1], self.dtype
-        gate_up_BT2F = nn.DenseGeneral(
-            (2, self.hidden), use_bias=self.bias, dtype=dt, param_dtype=dt, kernel_init=_init, name="gate_up_proj"
-        )(x_BTD)
+        gate_up_BT2F = Linear((2, self.hidden), use_bias=self.bias, dtype=dt, name="gate_up_proj")(x_BTD)
         h_BTF = jax.nn.silu(gate_up_BT2F[:, :, 0]) * gate_up_BT2F[:, :, 1]
-        down = nn.Dense(D, use_bias=self.bias, dtype=dt, param_dtype=dt, kernel_init=_init, name="down_proj")
-        return down(h_BTF)
+        return Linear((D,), use_bias=self.bias, dtype=dt, name="down_proj")(h_BTF)
 
 
 class DecoderLayer(nn.Module):

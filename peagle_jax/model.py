@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from peagle_jax import ops
 from peagle_jax.cache import KVCache
 from peagle_jax.config import ModelConfig
-from peagle_jax.layers import AttentionSpec, DecoderLayer, RMSNorm
+from peagle_jax.layers import AttentionSpec, DecoderLayer, Linear, RMSNorm
 
 
 class ForwardOut(NamedTuple):
@@ -67,10 +67,9 @@ class Transformer(nn.Module):
         if logits_at_BM is not None:
             h_BMD = jnp.take_along_axis(hidden_BTD, logits_at_BM[:, :, None], axis=1)
         if cfg.tie_word_embeddings:
-            logits_BMV = jnp.einsum("BMD,VD->BMV", h_BMD, embed_VD, preferred_element_type=jnp.float32)
+            logits_BMV = ops.linear(embed_VD, h_BMD, preferred_element_type=jnp.float32)
         else:
-            head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=dt, param_dtype=dt, name="lm_head")
-            logits_BMV = head(h_BMD).astype(jnp.float32)
+            logits_BMV = Linear((cfg.vocab_size,), dtype=dt, name="lm_head")(h_BMD).astype(jnp.float32)
         aux_BTX = jnp.concatenate([taps[j] for j in cfg.aux_layer_ids], axis=-1)
         return ForwardOut(logits_BMV, aux_BTX, hidden_BTD), KVCache(tuple(new_k), tuple(new_v))
 

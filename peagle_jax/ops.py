@@ -19,6 +19,19 @@ from peagle_jax.config import RopeConfig
 MASK_VALUE = -1e30
 
 
+def linear(weight, x, in_axes: int = 1, preferred_element_type=None):
+    """``x . W^T`` for ``W`` in Hugging Face ``[out..., in...]`` layout, contracting x's last ``in_axes`` axes.
+
+    Written as ``W @ x^T`` with W as the left operand: XLA's CPU dot then streams W in place, row by row;
+    written as ``x @ W^T`` it copies W into ``[in, out]`` on every call, which dominates a decode step.
+    """
+    out_shape = weight.shape[: weight.ndim - in_axes]
+    n_in = math.prod(weight.shape[weight.ndim - in_axes :])
+    lead = x.shape[: x.ndim - in_axes]
+    y_OM = jnp.dot(weight.reshape(-1, n_in), x.reshape(-1, n_in).T, preferred_element_type=preferred_element_type)
+    return y_OM.T.reshape(*lead, *out_shape)
+
+
 def rms_norm(x, weight, eps: float):
     """Llama RMSNorm: normalise in fp32, cast back, then scale (the Hugging Face order of operations)."""
     x32 = x.astype(jnp.float32)

@@ -47,34 +47,34 @@ def _rules(cfg: ModelConfig) -> list[_Rule]:
     N, G, H, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     R = N // G
     same = (lambda w: w, lambda p: p)
-    transpose = (lambda w: w.T, lambda p: p.T)
-    # HF q_proj rows are query heads n = g*R + r; they land in qkv_proj[:, g, r]. k and v heads in [:, g, R|R+1].
-    q_w = (lambda w: w.T.reshape(D, G, R, H), lambda p: p.reshape(D, N * H).T)
-    kv_w = (lambda w: w.T.reshape(D, G, H), lambda p: p.reshape(D, G * H).T)
+    # Matrices keep HF's [out, in] layout, reshaped to expose heads. HF q_proj rows are query heads
+    # n = g*R + r; they land in qkv_proj[g, r]; k and v heads in qkv_proj[g, R] and [g, R+1].
+    q_w = (lambda w: w.reshape(G, R, H, D), lambda p: p.reshape(N * H, D))
+    kv_w = (lambda w: w.reshape(G, H, D), lambda p: p.reshape(G * H, D))
     q_b = (lambda b: b.reshape(G, R, H), lambda p: p.reshape(N * H))
     kv_b = (lambda b: b.reshape(G, H), lambda p: p.reshape(G * H))
-    o_proj = (lambda w: w.T.reshape(N, H, D), lambda p: p.reshape(N * H, D).T)
+    o_proj = (lambda w: w.reshape(D, N, H), lambda p: p.reshape(D, N * H))
     attn, lay = "model.layers.{}.self_attn.", "layers.{}/self_attn/"
     mlp, lmlp = "model.layers.{}.mlp.", "layers.{}/mlp/"
     table = [
         ("model.embed_tokens.weight", "embed_tokens", same, None),
         ("model.norm.weight", "norm/weight", same, None),
-        ("lm_head.weight", "lm_head/kernel", transpose, None),
-        (attn + "q_proj.weight", lay + "qkv_proj/kernel", q_w, (_ALL, _ALL, slice(0, R))),
-        (attn + "k_proj.weight", lay + "qkv_proj/kernel", kv_w, (_ALL, _ALL, R)),
-        (attn + "v_proj.weight", lay + "qkv_proj/kernel", kv_w, (_ALL, _ALL, R + 1)),
+        ("lm_head.weight", "lm_head/weight", same, None),
+        (attn + "q_proj.weight", lay + "qkv_proj/weight", q_w, (_ALL, slice(0, R))),
+        (attn + "k_proj.weight", lay + "qkv_proj/weight", kv_w, (_ALL, R)),
+        (attn + "v_proj.weight", lay + "qkv_proj/weight", kv_w, (_ALL, R + 1)),
         (attn + "q_proj.bias", lay + "qkv_proj/bias", q_b, (_ALL, slice(0, R))),
         (attn + "k_proj.bias", lay + "qkv_proj/bias", kv_b, (_ALL, R)),
         (attn + "v_proj.bias", lay + "qkv_proj/bias", kv_b, (_ALL, R + 1)),
-        (attn + "o_proj.weight", lay + "o_proj/kernel", o_proj, None),
+        (attn + "o_proj.weight", lay + "o_proj/weight", o_proj, None),
         (attn + "o_proj.bias", lay + "o_proj/bias", same, None),
         (attn + "q_norm.weight", lay + "q_norm/weight", same, None),
         (attn + "k_norm.weight", lay + "k_norm/weight", same, None),
-        (mlp + "gate_proj.weight", lmlp + "gate_up_proj/kernel", transpose, (_ALL, 0)),
-        (mlp + "up_proj.weight", lmlp + "gate_up_proj/kernel", transpose, (_ALL, 1)),
+        (mlp + "gate_proj.weight", lmlp + "gate_up_proj/weight", same, (0,)),
+        (mlp + "up_proj.weight", lmlp + "gate_up_proj/weight", same, (1,)),
         (mlp + "gate_proj.bias", lmlp + "gate_up_proj/bias", same, (0,)),
         (mlp + "up_proj.bias", lmlp + "gate_up_proj/bias", same, (1,)),
-        (mlp + "down_proj.weight", lmlp + "down_proj/kernel", transpose, None),
+        (mlp + "down_proj.weight", lmlp + "down_proj/weight", same, None),
         (mlp + "down_proj.bias", lmlp + "down_proj/bias", same, None),
         ("model.layers.{}.{}.weight", "layers.{}/{}/weight", same, None),
     ]

@@ -5,7 +5,7 @@ Measures, in one process and interleaved round by round so that machine noise hi
 - end-to-end tokens/s of ``Generator`` (prefill + N greedy tokens, graphs compiled beforehand) and of
   transformers' PyTorch ``generate()`` on the same weights, batch 1, fp32; their ratio;
 - the decode step time against the memory-bandwidth bound: weight bytes / measured read bandwidth
-  (a jitted sum over a buffer as large as the weights, best of several runs);
+  (a jitted sum over a buffer as large as the weights, best of several runs, probed in every round);
 - that both produce the same greedy tokens.
 
 Needs torch (the ``test`` extra). Prints a markdown table; ``--json FILE`` also writes the numbers.
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 PROMPT = "Explain in a few paragraphs how a CPU cache works and why it matters for performance."
 
 
-def measure_read_bandwidth(nbytes: int, repeats: int = 10) -> float:
+def measure_read_bandwidth(nbytes: int, repeats: int = 5) -> float:
     """Bytes/s of a jitted full read (sum) of a float32 buffer of ``nbytes``; the best of ``repeats``."""
     buf = jnp.ones((nbytes // 4,), jnp.float32)
     total = jax.jit(jnp.sum)
@@ -101,18 +101,22 @@ def main(argv=None) -> int:
     run_ours(gen, prompt_ids, n)  # compile every graph the measured runs use
     run_transformers(hf, prompt_ids, 4)
 
-    ours_s, ours_step_s, theirs_s = [], [], []
+    ours_s, ours_step_s, theirs_s, bandwidths, fractions = [], [], [], [], []
     same = True
+    # Each round measures all three side by side; the bandwidth probe too, since the machine's available
+    # bandwidth drifts with its other tenants.
     for _ in tqdm(range(args.rounds), desc="rounds", file=sys.stderr):
+        bw = measure_read_bandwidth(weight_bytes, repeats=5)
         out, total, step = run_ours(gen, prompt_ids, n)
         ours_s.append(total)
         ours_step_s.append(step)
         ref, total = run_transformers(hf, prompt_ids, n)
         theirs_s.append(total)
         same &= out == ref
-    bandwidth = measure_read_bandwidth(weight_bytes)
+        bandwidths.append(bw)
+        fractions.append(weight_bytes / bw / step)
+    ours, theirs, step, bandwidth = (statistics.median(x) for x in (ours_s, theirs_s, ours_step_s, bandwidths))
     floor_s = weight_bytes / bandwidth
-    ours, theirs, step = (statistics.median(x) for x in (ours_s, theirs_s, ours_step_s))
     res = {
         "model": str(args.model),
         "prompt_tokens": len(prompt_ids),
@@ -126,7 +130,7 @@ def main(argv=None) -> int:
         "weight_bytes": weight_bytes,
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "bandwidth_bound_step_ms": floor_s * 1e3,
-        "fraction_of_bandwidth_bound": floor_s / step,
+        "fraction_of_bandwidth_bound": statistics.median(fractions),
         "greedy_tokens_identical": bool(same),
         "jax": jax.__version__,
         "torch": torch.__version__,
