@@ -25,7 +25,7 @@ from peagle_jax.sampling import SamplingParams, sample
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-WINDOW_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+WINDOW_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 class RequestError(UserError):
@@ -197,13 +197,36 @@ class Generator:
         t0 = time.perf_counter()
         logits, cache = self.prefill(prompts, B)
         positions = np.array([len(p) for p in prompts] + [0] * (B - n), np.int32)
-        tokens = sample_jit(logits, sampling, seeds, jnp.asarray(positions), greedy_only=greedy_only)
-        tokens_host = np.asarray(tokens)
+        pending = sample_jit(logits, sampling, seeds, jnp.asarray(positions), greedy_only=greedy_only)
+        jax.block_until_ready(pending)
         self.stats.prefill_s += time.perf_counter() - t0
         done = np.zeros(B, bool)
         done[n:] = True
         produced = np.zeros(B, np.int32)
+        t_loop, t_caller = time.perf_counter(), 0.0
         while True:
+            # Launch the next step before reading this step's tokens, so that the host's bookkeeping (and
+            # the caller's) overlaps the device's work. It is skipped when every live row is about to reach
+            # max_new_tokens; when all rows stop on a stop token instead, its result is dropped.
+            following = None
+            live = ~done
+            if np.any(live & (produced + 1 < max_new_tokens)):
+                # Finished rows keep feeding a token at a clamped position; their writes land past their
+                # output and are never read.
+                following, cache = decode_step(
+                    self.params,
+                    cache,
+                    pending,
+                    jnp.asarray(np.minimum(positions, self.num_slots - 1)),
+                    seeds,
+                    sampling,
+                    cfg=self.cfg,
+                    greedy_only=greedy_only,
+                    window=self.window(int(positions[live].max()) + 1),
+                )
+                positions += 1
+                self.stats.decode_steps += 1
+            tokens_host = np.asarray(pending)
             gained = [[] for _ in range(n)]
             for b in range(n):
                 if not done[b]:
@@ -213,28 +236,13 @@ class Generator:
                     if tok in stops or produced[b] >= max_new_tokens:
                         done[b] = True
             self.stats.new_tokens += sum(len(g) for g in gained)
+            t_yield = time.perf_counter()
             yield gained
+            t_caller += time.perf_counter() - t_yield
             if done.all():
+                self.stats.decode_s += time.perf_counter() - t_loop - t_caller
                 return
-            t0 = time.perf_counter()
-            # Finished rows keep feeding a token at a clamped position; their writes land past their
-            # output and are never read.
-            step_pos = jnp.asarray(np.minimum(positions, self.max_seq_len - 1))
-            tokens, cache = decode_step(
-                self.params,
-                cache,
-                tokens,
-                step_pos,
-                seeds,
-                sampling,
-                cfg=self.cfg,
-                greedy_only=greedy_only,
-                window=self.window(int(positions[~done].max()) + 1),
-            )
-            tokens_host = np.asarray(tokens)
-            positions += 1
-            self.stats.decode_s += time.perf_counter() - t0
-            self.stats.decode_steps += 1
+            pending = following
 
     def generate(self, prompts: Sequence[Sequence[int]], **kwargs) -> list[GenerationResult]:
         """Run :meth:`stream` to the end; one :class:`GenerationResult` per prompt."""
