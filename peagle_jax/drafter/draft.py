@@ -65,16 +65,26 @@ def drafter_forward(
     mask_BTT=None,
     positions_BT=None,
     window: int | None = None,
+    logits_at_BM=None,
 ):
     """T drafter elements per row at cache slots ``start[b] ..``; the drafter's counterpart of
-    :func:`peagle_jax.model.forward`. Returns ``(DraftForwardOut, cache)``."""
+    :func:`peagle_jax.model.forward` (``logits_at_BM`` gathers rows before the LM head).
+    Returns ``(DraftForwardOut, cache)``."""
     T = tokens_BT.shape[1]
     start_B = start_B.astype(jnp.int32)
     if positions_BT is None:
         positions_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     visible_BTS = ops.visible_mask(start_B, T, min(window or cache.num_slots, cache.num_slots), mask_BTT)
     return Drafter(cfg).apply(
-        {"params": params}, tokens_BT.astype(jnp.int32), g_BTD, positions_BT, start_B, visible_BTS, cache, embed_VD
+        {"params": params},
+        tokens_BT.astype(jnp.int32),
+        g_BTD,
+        positions_BT,
+        start_B,
+        visible_BTS,
+        cache,
+        embed_VD,
+        logits_at_BM,
     )
 
 
@@ -135,10 +145,11 @@ def parallel_draft(
     tokens_BT = jnp.where(is_ctx_BT, ctx_tokens_BT, jnp.int32(cfg.mask_token_id))
     ctx_g_BTD = jnp.take_along_axis(g_BCD, src_BT[:, :, None], axis=1)
     g_BTD = jnp.where(is_ctx_BT[:, :, None], ctx_g_BTD, mask_g_D.astype(g_BCD.dtype)[None, None, :])
-    out, cache = drafter_forward(params, cache, tokens_BT, g_BTD, start_B, cfg=cfg, embed_VD=embed_VD, window=window)
     rows_BK = count_B[:, None] - 1 + jnp.arange(K, dtype=jnp.int32)[None, :]
-    logits_BKU = jnp.take_along_axis(out.logits, rows_BK[:, :, None], axis=1)
-    return _top(params, logits_BKU, top_n, cfg), cache
+    out, cache = drafter_forward(
+        params, cache, tokens_BT, g_BTD, start_B, cfg=cfg, embed_VD=embed_VD, window=window, logits_at_BM=rows_BK
+    )
+    return _top(params, out.logits, top_n, cfg), cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "K", "top_n", "window"), donate_argnames=("cache",))
@@ -166,9 +177,11 @@ def sequential_draft(
     B, C = tokens_BC.shape
     count_B = count_B.astype(jnp.int32)
     g_BCD = _context_g(params, aux_BCX, count_B, cfg)
-    out, cache = drafter_forward(params, cache, tokens_BC, g_BCD, start_B, cfg=cfg, embed_VD=embed_VD, window=window)
     last_B1 = (count_B - 1)[:, None]
-    logits_BU = jnp.take_along_axis(out.logits, last_B1[:, :, None], axis=1)[:, 0]
+    out, cache = drafter_forward(
+        params, cache, tokens_BC, g_BCD, start_B, cfg=cfg, embed_VD=embed_VD, window=window, logits_at_BM=last_B1
+    )
+    logits_BU = out.logits[:, 0]
     hidden_B1D = jnp.take_along_axis(out.hidden, last_B1[:, :, None], axis=1)
     depths = [logits_BU]
     for k in range(1, K):

@@ -35,8 +35,8 @@ _init = nn.initializers.normal(stddev=0.02)
 
 
 class DraftForwardOut(NamedTuple):
-    """``logits`` [B, T, U] over the draft vocab; ``hidden`` [B, T, H]: the last layer's output (post-norm
-    when ``norm_output``), which sequential drafting feeds back as the next element's ``g``."""
+    """``logits`` [B, M, U] over the draft vocab (M = T, or the gathered rows); ``hidden`` [B, T, H]: the
+    last layer's output (post-norm when ``norm_output``), which sequential drafting feeds back as ``g``."""
 
     logits: jax.Array
     hidden: jax.Array
@@ -105,7 +105,9 @@ class Drafter(nn.Module):
         """``fc(mask_hidden)`` through the same norms as a real aux vector: [H]. Computed once at load."""
         return self.fuse(self.mask_hidden)[0, 0]
 
-    def __call__(self, tokens_BT, g_BTD, positions_BT, start_B, visible_BTS, cache: KVCache, embed_VD=None):
+    def __call__(
+        self, tokens_BT, g_BTD, positions_BT, start_B, visible_BTS, cache: KVCache, embed_VD=None, logits_at_BM=None
+    ):
         c, lc = self.cfg, self.cfg.layer
         table_VD = self.embed_tokens if c.own_embedding else embed_VD
         e_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(lc.jnp_dtype)
@@ -117,9 +119,11 @@ class Drafter(nn.Module):
             new_k.append(k)
             new_v.append(v)
         normed_BTD = self.norm(h_BTD)
-        logits_BTU = self.lm_head(normed_BTD).astype(jnp.float32)
         hidden_BTD = normed_BTD if c.norm_output else h_BTD
-        return DraftForwardOut(logits_BTU, hidden_BTD), KVCache(tuple(new_k), tuple(new_v))
+        if logits_at_BM is not None:  # only the rows that are drafted from: the LM head is the costly part
+            normed_BTD = jnp.take_along_axis(normed_BTD, logits_at_BM[:, :, None], axis=1)
+        logits_BMU = self.lm_head(normed_BTD).astype(jnp.float32)
+        return DraftForwardOut(logits_BMU, hidden_BTD), KVCache(tuple(new_k), tuple(new_v))
 
     def init_all(self, aux_BTX, tokens_BT, positions_BT, start_B, visible_BTS, cache, embed_VD=None):
         """Touches every submodule once, so that ``init`` creates the whole parameter tree."""
