@@ -29,6 +29,7 @@ _DRAFTER_KEYS = {
     "eagle_aux_hidden_state_layer_ids",
     "target_hidden_size",
     "embed_requires_grad",
+    "speculative_tokens",
     *MASK_TOKEN_KEYS,
 }
 

@@ -1,0 +1,167 @@
+"""The JAX side of a converted checkpoint, and loading a target from either side.
+
+A JAX checkpoint is a directory holding
+
+    peagle_config.json   {"format": "peagle_jax", "version": 1,
+                          "kind": "drafter" | "target",
+                          "layout": "speculators" | "eagle" | "hf",      the layout it was converted from
+                          "config": {...},                               that source's config.json, verbatim
+                          "tensors": {"<source tensor name>": "<dtype>", ...},   every tensor written back
+                          "own_embedding": true | false}                 drafters: whether embed_tokens is there
+    params/              an orbax checkpoint (StandardCheckpointer) of the parameter tree; each leaf keeps
+                         its source dtype (bf16 stays bf16), except the drafter's d2t, which is int32
+
+plus any tokenizer / generation files the source directory had. The source config and tensor dtypes are
+what ``python -m peagle_jax.convert to-torch`` needs to write the original back exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from peagle_jax.config import ARCHITECTURES, DTYPES, FAMILIES, ConfigError, ModelConfig, from_hf_config
+from peagle_jax.drafter.config import EAGLE_ARCHITECTURE, MASK_TOKEN_KEYS
+from peagle_jax.errors import UserError
+from peagle_jax.weights import check_params, expected_shapes, flatten, load_target
+
+FORMAT, VERSION = "peagle_jax", 1
+META_FILE, PARAMS_DIR = "peagle_config.json", "params"
+KINDS = ("drafter", "target")
+
+
+class CheckpointError(UserError):
+    """A JAX checkpoint directory that cannot be read; the message names the file."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointMeta:
+    """What ``peagle_config.json`` records (see the module docstring)."""
+
+    kind: str
+    layout: str
+    config: dict[str, Any]
+    tensors: dict[str, str]
+    own_embedding: bool | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        d = {"format": FORMAT, "version": VERSION, **dataclasses.asdict(self)}
+        if self.own_embedding is None:
+            del d["own_embedding"]
+        return d
+
+
+def is_jax_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / META_FILE).is_file()
+
+
+def read_config_json(model_dir: str | Path) -> dict[str, Any]:
+    """The ``config.json`` of a PyTorch model directory, as a dict; errors name the file."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{model_dir}: no config.json (is this a Hugging Face or speculators model directory?)")
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(d).__name__}")
+    return d
+
+
+def detect_kind(config: dict[str, Any]) -> str:
+    """``drafter`` (speculators or EAGLE layout) or ``target`` (Llama / Qwen2 / Qwen3), from a config dict."""
+    archs = config.get("architectures") or []
+    drafter_keys = ("speculators_model_type", "draft_vocab_size", *MASK_TOKEN_KEYS)
+    if EAGLE_ARCHITECTURE in archs or any(k in config for k in drafter_keys):
+        return "drafter"
+    model_type = config.get("model_type")
+    unknown = [a for a in archs if a not in ARCHITECTURES.values()]
+    if model_type not in FAMILIES or unknown:
+        raise ConfigError(
+            f"unknown architecture (model_type={model_type!r}, architectures={archs}): expected a speculators "
+            f"drafter (peagle / eagle3), an EAGLE-layout drafter ({EAGLE_ARCHITECTURE}) or a "
+            f"{' / '.join(ARCHITECTURES.values())} model"
+        )
+    return "target"
+
+
+def save_checkpoint(path: str | Path, params: dict, meta: CheckpointMeta) -> None:
+    """Write ``params`` (numpy or JAX leaves) and ``meta`` into directory ``path`` (created; ``params/`` must
+    not exist yet)."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path / PARAMS_DIR, params)
+        ckptr.wait_until_finished()
+    (path / META_FILE).write_text(json.dumps(meta.to_json(), indent=2) + "\n")
+
+
+def read_meta(path: str | Path) -> CheckpointMeta:
+    file = Path(path) / META_FILE
+    try:
+        d = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no {META_FILE} (not a converted JAX checkpoint)") from None
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{file}: not valid JSON ({err})") from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        raise CheckpointError(f"{file}: not a {FORMAT} checkpoint description")
+    if d.get("version") != VERSION:
+        raise CheckpointError(f"{file}: format version {d.get('version')!r}; this peagle_jax reads version {VERSION}")
+    if d.get("kind") not in KINDS or not isinstance(d.get("config"), dict) or not isinstance(d.get("tensors"), dict):
+        raise CheckpointError(f"{file}: needs kind ({' or '.join(KINDS)}), a config object and a tensors object")
+    return CheckpointMeta(d["kind"], d.get("layout", "hf"), d["config"], d["tensors"], d.get("own_embedding"))
+
+
+def restore_params(path: str | Path) -> dict:
+    """The parameter tree saved by :func:`save_checkpoint`, as numpy arrays in their saved dtypes."""
+    import orbax.checkpoint as ocp
+
+    params_dir = Path(path).absolute() / PARAMS_DIR
+    if not params_dir.is_dir():
+        raise CheckpointError(f"{path}: no {PARAMS_DIR}/ directory (an incomplete conversion?)")
+    with ocp.StandardCheckpointer() as ckptr:
+        try:
+            tree = ckptr.restore(params_dir)
+        except (ValueError, FileNotFoundError, OSError) as err:
+            raise CheckpointError(f"{params_dir}: not a readable orbax checkpoint ({err})") from None
+    return jax.tree.map(np.asarray, tree)
+
+
+def load_checkpoint(path: str | Path) -> tuple[CheckpointMeta, dict]:
+    return read_meta(path), restore_params(path)
+
+
+def cast_floats(params: dict, dtype: str) -> dict:
+    """Floating leaves cast to ``dtype`` (float32 or bfloat16) on the default device; ids and masks kept."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype {dtype!r} not supported; choose one of {sorted(DTYPES)}")
+
+    def cast(x):
+        x = jnp.asarray(x)
+        return x.astype(DTYPES[dtype]) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return jax.tree.map(cast, params)
+
+
+def load_target_any(path: str | Path, *, dtype: str = "float32", aux_layer_ids=None) -> tuple[ModelConfig, dict]:
+    """(cfg, params) of a target: a Hugging Face directory (:func:`peagle_jax.weights.load_target`) or a
+    converted JAX directory, params cast to ``dtype`` and placed on the default device."""
+    if not is_jax_checkpoint(path):
+        return load_target(path, dtype=dtype, aux_layer_ids=aux_layer_ids)
+    meta = read_meta(path)
+    if meta.kind != "target":
+        raise CheckpointError(f"{path} holds a {meta.kind}, not a target model")
+    cfg = from_hf_config(meta.config, dtype=dtype, aux_layer_ids=aux_layer_ids)
+    params = restore_params(path)
+    check_params(flatten(params), expected_shapes(cfg), f"{cfg.family} model")
+    return cfg, cast_floats(params, dtype)

@@ -1,0 +1,226 @@
+"""``python -m peagle_jax.convert``: PyTorch checkpoints <-> JAX checkpoints, for drafters and targets.
+
+    to-jax SRC DST [--force]
+        SRC: a speculators drafter (peagle / eagle3), an EAGLE / AWS-layout drafter, or a Hugging Face
+        Llama / Qwen2 / Qwen3 model directory. DST: a JAX checkpoint (see :mod:`peagle_jax.checkpoint`).
+    to-torch SRC DST [--layout speculators|eagle] [--max-shard-size 2GB] [--force]
+        SRC: a JAX checkpoint, or a PyTorch directory (to change a drafter's layout or the sharding).
+        DST: config.json plus model.safetensors, or shards and model.safetensors.index.json.
+
+PyTorch -> JAX -> PyTorch reproduces every tensor bit for bit (names, shapes, dtypes, values) and, when the
+layout is unchanged, the config.json itself. A layout change rewrites the config from the parsed
+:class:`DrafterConfig` (the EAGLE layout has no verifier entry, so that is lost on the way through it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from peagle_jax.checkpoint import (
+    META_FILE,
+    PARAMS_DIR,
+    CheckpointMeta,
+    detect_kind,
+    is_jax_checkpoint,
+    load_checkpoint,
+    read_config_json,
+    save_checkpoint,
+)
+from peagle_jax.errors import UserError
+
+LAYOUT_CHOICES = ("speculators", "eagle")
+# Small files copied along both ways (tokenizer, generation config, chat template ...).
+SIDE_SUFFIXES = {".json", ".txt", ".model", ".jinja", ".tiktoken"}
+OWN_FILES = {"config.json", META_FILE, "model.safetensors.index.json"}
+
+
+def read_source(src: str | Path) -> tuple[CheckpointMeta, dict]:
+    """(meta, params) of a JAX checkpoint, or of a PyTorch directory as :func:`to_jax` would save it."""
+    from peagle_jax.config import from_hf_config
+    from peagle_jax.drafter.load import read_torch_drafter
+    from peagle_jax.drafter.weights import IGNORED, drafter_params_from_tensors
+    from peagle_jax.weights import SKIPPED, params_from_hf, read_safetensors
+
+    src = Path(src)
+    if is_jax_checkpoint(src):
+        return load_checkpoint(src)
+    if detect_kind(read_config_json(src)) == "drafter":
+        cfg, layout, config, tensors = read_torch_drafter(src)
+        params = drafter_params_from_tensors(tensors, cfg, layout)
+        dtypes = {name: str(t.dtype) for name, t in tensors.items() if not IGNORED.match(name)}
+        return CheckpointMeta("drafter", layout, config, dtypes, own_embedding=cfg.own_embedding), params
+    config = read_config_json(src)
+    tensors = read_safetensors(src)
+    params = params_from_hf(tensors, from_hf_config(config), keep_dtype=True)
+    dtypes = {name: str(t.dtype) for name, t in tensors.items() if not SKIPPED.match(name)}
+    return CheckpointMeta("target", "hf", config, dtypes), params
+
+
+def _main_dtype(dtypes: dict[str, str]) -> str:
+    """The dtype most floating tensors have (what a written config.json declares)."""
+    floats = [d for d in dtypes.values() if d in ("float32", "bfloat16", "float16", "float64")]
+    return collections.Counter(floats).most_common(1)[0][0] if floats else "float32"
+
+
+def _drafter_config_in(cfg, layout: str, dtypes: dict[str, str]) -> dict[str, Any]:
+    from peagle_jax.drafter.config import to_eagle_config, to_speculators_config
+
+    d = to_speculators_config(cfg) if layout == "speculators" else to_eagle_config(cfg)
+    d["dtype"] = _main_dtype(dtypes)
+    if "transformer_layer_config" in d:
+        d["transformer_layer_config"]["dtype"] = d["dtype"]
+    return d
+
+
+def torch_tensors(meta: CheckpointMeta, params: dict, layout: str | None = None) -> tuple[dict, dict[str, Any]]:
+    """(tensors, config dict) of the PyTorch checkpoint for ``meta`` and ``params`` in ``layout`` (drafters;
+    default: the source's), each tensor in the dtype the source had."""
+    from peagle_jax.config import from_hf_config
+    from peagle_jax.drafter.config import drafter_config_from_dict
+    from peagle_jax.drafter.weights import drafter_params_to_tensors, rename_for_layout
+    from peagle_jax.weights import check_params, expected_shapes, flatten, params_to_hf
+
+    if meta.kind == "target":
+        if layout not in (None, "hf"):
+            raise UserError(f"--layout {layout} applies to drafters; this is a target model")
+        cfg = from_hf_config(meta.config)
+        check_params(flatten(params), expected_shapes(cfg), f"{cfg.family} model")
+        tensors = params_to_hf(params, cfg, dtypes=meta.tensors)
+        if cfg.tie_word_embeddings and "lm_head.weight" in meta.tensors:  # the source stored a copy; so do we
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].astype(meta.tensors["lm_head.weight"])
+        return tensors, meta.config
+    out = layout or meta.layout
+    cfg, _ = drafter_config_from_dict(meta.config)
+    cfg = cfg.replace(own_embedding="embed_tokens" in params)
+    dtypes = {rename_for_layout(name, meta.layout, out): dtype for name, dtype in meta.tensors.items()}
+    config = meta.config if out == meta.layout else _drafter_config_in(cfg, out, dtypes)
+    return drafter_params_to_tensors(params, cfg, out, dtypes), config
+
+
+def _check_paths(src: Path, dst: Path, force: bool) -> None:
+    if not src.is_dir():
+        raise UserError(f"{src}: no such directory")
+    if dst.exists() and not dst.is_dir():
+        raise UserError(f"{dst} exists and is not a directory")
+    if dst.exists() and dst.resolve() == src.resolve():
+        raise UserError(f"SRC and DST are the same directory ({src})")
+    if dst.is_dir() and any(dst.iterdir()) and not force:
+        raise UserError(f"{dst} is not empty; pass --force to overwrite it")
+
+
+def _clear(dst: Path) -> None:
+    """Remove what a previous conversion wrote (stale shards would be read back); leave other files alone."""
+    if not dst.is_dir():
+        return
+    for f in dst.iterdir():
+        if f.name == PARAMS_DIR and f.is_dir():
+            shutil.rmtree(f)
+        elif f.is_file() and (f.name in OWN_FILES or (f.name.startswith("model") and f.suffix == ".safetensors")):
+            f.unlink()
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    for f in sorted(src.iterdir()):
+        if f.is_file() and f.suffix in SIDE_SUFFIXES and f.name not in OWN_FILES:
+            shutil.copy2(f, dst / f.name)
+
+
+def to_jax(src: str | Path, dst: str | Path, *, force: bool = False) -> CheckpointMeta:
+    """Convert the PyTorch directory ``src`` (drafter or target) into the JAX checkpoint ``dst``."""
+    src, dst = Path(src), Path(dst)
+    _check_paths(src, dst, force)
+    if is_jax_checkpoint(src):
+        raise UserError(f"{src} is already a JAX checkpoint ({META_FILE}); to-torch converts it back")
+    meta, params = read_source(src)
+    _clear(dst)
+    save_checkpoint(dst, params, meta)
+    _copy_side_files(src, dst)
+    return meta
+
+
+def to_torch(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    layout: str | None = None,
+    max_shard_size: int | str | None = None,
+    force: bool = False,
+    progress: bool = False,
+) -> list[Path]:
+    """Write the JAX checkpoint (or PyTorch directory) ``src`` as a PyTorch directory ``dst``; returns the
+    safetensors files written (several, plus an index, when they exceed ``max_shard_size``)."""
+    from peagle_jax.weights import parse_size, write_safetensors
+
+    src, dst = Path(src), Path(dst)
+    if layout is not None and layout not in LAYOUT_CHOICES:
+        raise UserError(f"--layout must be one of {', '.join(LAYOUT_CHOICES)}, got {layout!r}")
+    shard_bytes = None if max_shard_size is None else parse_size(max_shard_size)
+    _check_paths(src, dst, force)
+    meta, params = read_source(src)
+    tensors, config = torch_tensors(meta, params, layout)
+    _clear(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    files = write_safetensors(dst, tensors, max_shard_size=shard_bytes, progress=progress)
+    _copy_side_files(src, dst)
+    return files
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m peagle_jax.convert",
+        description="Convert drafter (speculators / EAGLE layout) and target (Hugging Face) checkpoints "
+        "between PyTorch safetensors and JAX (orbax) directories, losslessly.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    j = sub.add_parser("to-jax", help="PyTorch directory -> JAX checkpoint directory")
+    t = sub.add_parser("to-torch", help="JAX checkpoint (or PyTorch) directory -> PyTorch safetensors directory")
+    for s in (j, t):
+        s.add_argument("src", help="source directory")
+        s.add_argument("dst", help="destination directory (created; must be empty unless --force)")
+        s.add_argument("--force", action="store_true", help="overwrite the checkpoint files in a non-empty DST")
+    t.add_argument(
+        "--layout",
+        choices=LAYOUT_CHOICES,
+        help="drafter tensor and config layout to write (default: the source's); eagle = layer 0 as "
+        "midlayer.*, flat Llama config with ptd_token_id (Llama layers only)",
+    )
+    t.add_argument(
+        "--max-shard-size",
+        default=None,
+        help="split the weights into shards of at most this size, e.g. 2GB or 500MB (default: one file)",
+    )
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "to-jax":
+            meta = to_jax(args.src, args.dst, force=args.force)
+            what = f"{meta.kind} ({meta.layout} layout, {len(meta.tensors)} tensors)"
+        else:
+            files = to_torch(
+                args.src,
+                args.dst,
+                layout=args.layout,
+                max_shard_size=args.max_shard_size,
+                force=args.force,
+                progress=True,
+            )
+            what = f"{len(files)} safetensors file{'s' if len(files) > 1 else ''}"
+    except (UserError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {what} to {args.dst}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
