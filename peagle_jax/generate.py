@@ -102,9 +102,9 @@ def encode_prompt(args, tokenizer) -> list[int]:
 
 
 def run(args) -> dict:
+    from peagle_jax.checkpoint import load_target_any
     from peagle_jax.engine import Generator
     from peagle_jax.sampling import check_sampling_args
-    from peagle_jax.weights import load_target
 
     check_sampling_args(args.temperature, args.top_k, args.top_p)
     if args.max_seq_len < 2:  # checked here: the Generator raises a plain ValueError for it
@@ -112,7 +112,7 @@ def run(args) -> dict:
     model_dir = resolve_model_dir(args.model)
     tokenizer = load_tokenizer(model_dir)
     prompt = encode_prompt(args, tokenizer)
-    cfg, params = load_target(model_dir, dtype=args.dtype)
+    cfg, params = load_target_any(model_dir, dtype=args.dtype)
     gen = Generator(cfg, params, max_seq_len=args.max_seq_len)
     stop_ids = set(cfg.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
