@@ -389,6 +389,7 @@ def broken(tmp_path_factory) -> dict[str, Path]:
         "no_mask_hidden": variant("no_mask_hidden", {k: v for k, v in tensors.items() if k != "mask_hidden"}),
         "mistral": variant("mistral", tensors, {"model_type": "mistral", "architectures": ["MistralForCausalLM"]}),
         "mtp": variant("mtp", tensors, {**config, "speculators_model_type": "mtp"}),
+        "mask_id": variant("mask_id", tensors, {**config, "mask_token_id": 100000}),
     }
 
 
@@ -400,6 +401,7 @@ ERRORS = [
     ("to-jax {no_mask_hidden} {out}", "no 'mask_hidden'"),
     ("to-jax {mistral} {out}", "unknown architecture (model_type='mistral'"),
     ("to-jax {mtp} {out}", "speculators_model_type 'mtp' is not supported"),
+    ("to-jax {mask_id} {out}", "mask token id 100000 is outside the vocabulary"),
     ("to-jax {bin_only} {out}", "pickled PyTorch weights"),
     ("to-jax {good} {nonempty}", "is not empty; pass --force"),
     ("to-jax {good}/nowhere {out}", "no such directory"),
