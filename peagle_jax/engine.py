@@ -77,16 +77,18 @@ class Generator:
         max_seq_len: int = 2048,
         prefill_buckets: Sequence[int] = PREFILL_BUCKETS,
         batch_buckets: Sequence[int] = BATCH_BUCKETS,
+        slack: int = 0,
     ):
         if max_seq_len < 2:
             raise RequestError(f"max_seq_len must be >= 2, got {max_seq_len}")
         self.cfg, self.params, self.max_seq_len = cfg, params, max_seq_len
         self.prefill_buckets = tuple(b for b in sorted(prefill_buckets) if b <= max_seq_len) or (max_seq_len,)
         self.batch_buckets = tuple(sorted(batch_buckets))
-        # Cache slots: max_seq_len rounded up to whole prefill chunks, so that a padded last chunk still fits
-        # (the cache write requires start + T <= S for every row).
+        # Cache slots: max_seq_len (plus ``slack`` slots that a multi-token step may write past the last
+        # committed token) rounded up to whole prefill chunks, so that a padded last chunk still fits (the
+        # cache write requires start + T <= S for every row).
         chunk = self.prefill_buckets[-1]
-        self.num_slots = -(-max_seq_len // chunk) * chunk
+        self.num_slots = -(-(max_seq_len + slack) // chunk) * chunk
         self.window_buckets = tuple(w for w in WINDOW_BUCKETS if w < self.num_slots) + (self.num_slots,)
         self.stats = StepStats()
 
@@ -115,9 +117,10 @@ class Generator:
         """The attention window bucket covering ``context`` slots."""
         return bucket(context, self.window_buckets)
 
-    def prefill(self, prompts: Sequence[Sequence[int]], batch: int):
+    def prefill(self, prompts: Sequence[Sequence[int]], batch: int, on_chunk=None):
         """Prefill prompts (padded to ``batch`` rows) into a fresh cache; long prompts go in chunks of the
-        largest bucket. Returns (last-token logits [batch, V], cache)."""
+        largest bucket. ``on_chunk(out, start, T)`` sees each chunk's output (the speculative generator
+        seeds its drafter from the aux hidden states). Returns (last-token logits [batch, V], cache)."""
         cache = model.new_cache(self.cfg, batch, self.num_slots)
         lengths = np.array([len(p) for p in prompts] + [1] * (batch - len(prompts)), np.int32)
         chunk = self.prefill_buckets[-1]
@@ -140,6 +143,8 @@ class Generator:
                 cfg=self.cfg,
                 window=self.window(start + T),
             )
+            if on_chunk is not None:
+                on_chunk(out, start, T)
             ended_here = jnp.asarray((lengths > start) & (lengths <= start + T))[:, None]
             logits = out.logits if logits is None else jnp.where(ended_here, out.logits, logits)
         return logits, cache

@@ -200,3 +200,17 @@ def sequential_draft(
         logits_BU, hidden_B1D = step.logits[:, 0], step.hidden
         depths.append(logits_BU)
     return _top(params, jnp.stack(depths, axis=1), top_n, cfg), cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "window"), donate_argnames=("cache",))
+def drafter_prefill(
+    params, cache, tokens_BT, aux_BTX, start_B, embed_VD=None, *, cfg: DrafterConfig, window: int | None = None
+):
+    """Seed the drafter's cache with a chunk of prompt elements (token at j+1, target aux of j) at slots
+    ``start ..``. Elements past a row's prompt are padding, overwritten by the first draft call."""
+    g_BTD = fuse_aux(params, aux_BTX, cfg=cfg)
+    no_logits_B1 = jnp.zeros((tokens_BT.shape[0], 1), jnp.int32)  # the LM head is not needed here
+    _, cache = drafter_forward(
+        params, cache, tokens_BT, g_BTD, start_B, cfg=cfg, embed_VD=embed_VD, window=window, logits_at_BM=no_logits_B1
+    )
+    return cache

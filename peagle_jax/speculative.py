@@ -1,0 +1,281 @@
+"""Speculative decoding host loop: prefill (target + drafter), then draft -> verify steps.
+
+Each step calls two fixed-shape graphs, the draft (:func:`peagle_jax.drafter.draft.parallel_draft` or
+``sequential_draft``) and the verify (:func:`peagle_jax.verify.verify`), per (batch bucket, K, tree,
+window bucket); the accepted count is data, never a shape. Rows progress independently: each has its own
+committed length ``q`` (the position of its last committed token, the next root), and a finished row idles
+in place (its q stops moving; its writes land at its own uncommitted slots).
+
+Per step and row: the drafter's context is the elements committed by the previous step (the emitted
+tokens, each paired with the target aux state of the position before it), ``count`` of them, starting at
+drafter position ``q_prev``; the draft proposes K depths; the target verifies them with the root at q.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from peagle_jax.config import ModelConfig
+from peagle_jax.drafter.config import DrafterConfig
+from peagle_jax.drafter.draft import drafter_prefill, fused_mask_hidden, parallel_draft, sequential_draft
+from peagle_jax.drafter.model import new_drafter_cache
+from peagle_jax.engine import Generator, RequestError, bucket, sample_jit
+from peagle_jax.sampling import SamplingParams
+from peagle_jax.verify import Tree, chain, verify
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("cfg", "dcfg", "tree", "sequential", "draft_window", "window", "greedy_only"),
+    donate_argnames=("cache", "dcache"),
+)
+def fused_step(
+    params,
+    cache,
+    dparams,
+    dcache,
+    ctx_tokens,
+    ctx_aux,
+    ctx_count,
+    ctx_start,
+    mask_g,
+    embed,
+    root,
+    q,
+    seeds,
+    sampling,
+    *,
+    cfg,
+    dcfg,
+    tree,
+    sequential,
+    draft_window,
+    window,
+    greedy_only,
+):
+    """Draft and verify in one graph (one device launch per step): the two jitted functions inline."""
+    kw = dict(cfg=dcfg, K=tree.depth, top_n=tree.width, window=draft_window)
+    if sequential:
+        draft, dcache = sequential_draft(dparams, dcache, ctx_tokens, ctx_aux, ctx_count, ctx_start, embed, **kw)
+    else:
+        draft, dcache = parallel_draft(dparams, dcache, ctx_tokens, ctx_aux, ctx_count, ctx_start, mask_g, embed, **kw)
+    out, cache = verify(
+        params,
+        cache,
+        root,
+        draft.tokens,
+        q,
+        seeds,
+        sampling,
+        cfg=cfg,
+        tree=tree,
+        window=window,
+        greedy_only=greedy_only,
+    )
+    return out, cache, dcache
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Counters over everything generated so far (all rows)."""
+
+    target_forwards: int = 0  # verify calls x live rows (prefill excluded)
+    emitted: int = 0  # tokens emitted by those verify calls
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)  # drafts accepted at depth k
+    draft_s: float = 0.0  # with --fused, draft and verify are one launch, counted as verify
+    verify_s: float = 0.0
+    host_s: float = 0.0
+    steps: int = 0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens emitted per target forward (1 + accepted drafts)."""
+        return self.emitted / self.target_forwards if self.target_forwards else 0.0
+
+
+class SpeculativeGenerator(Generator):
+    """Batched speculative decoding of one target with one drafter (P-EAGLE parallel or EAGLE-3 sequential)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params,
+        dcfg: DrafterConfig,
+        dparams,
+        *,
+        k: int | None = None,
+        tree: Tree | None = None,
+        sequential: bool = False,
+        fused: bool = False,
+        max_seq_len: int = 2048,
+        **kwargs,
+    ):
+        tree = tree or chain(k or dcfg.speculative_tokens)
+        if k is not None and tree.depth != k:
+            raise RequestError(f"--tree uses depth {tree.depth} but --k is {k}")
+        if not sequential and not dcfg.parallel:
+            raise RequestError("this drafter is EAGLE-3 (no mask token / mask_hidden): use sequential drafting")
+        if dcfg.layer.vocab_size != cfg.vocab_size:
+            raise RequestError(f"drafter vocabulary {dcfg.layer.vocab_size} != target vocabulary {cfg.vocab_size}")
+        if dcfg.num_aux * dcfg.target_hidden_size != len(cfg.aux_layer_ids) * cfg.hidden_size:
+            raise RequestError(
+                f"the drafter reads {dcfg.num_aux} aux states of width {dcfg.target_hidden_size}; the target "
+                f"taps {len(cfg.aux_layer_ids)} of width {cfg.hidden_size}"
+            )
+        if tree.width > dcfg.draft_vocab_size:
+            raise RequestError(f"--tree needs {tree.width} candidates per depth; the draft vocab has fewer")
+        # A step writes the root + tree nodes past the committed length; the draft window K - 1 mask slots.
+        super().__init__(cfg, params, max_seq_len=max_seq_len, slack=tree.size + 2 * tree.depth + 2, **kwargs)
+        self.dcfg, self.dparams, self.tree, self.sequential, self.fused = dcfg, dparams, tree, sequential, fused
+        self.K = tree.depth
+        self.mask_g = None if sequential else fused_mask_hidden(dparams, cfg=dcfg)
+        self.embed = None if dcfg.own_embedding else params["embed_tokens"]
+        self.spec = SpecStats(accepted_per_position=[0] * self.K)
+
+    def _draft_window(self, start) -> int:
+        return self.window(int(start.max()) + 2 * self.K + 1)
+
+    def _draft(self, dcache, tokens, aux, count, start):
+        window = self._draft_window(start)
+        args = (self.dparams, dcache, jnp.asarray(tokens), aux, jnp.asarray(count), jnp.asarray(start))
+        kw = dict(cfg=self.dcfg, K=self.K, top_n=self.tree.width, window=window)
+        if self.sequential:
+            return sequential_draft(*args, self.embed, **kw)
+        return parallel_draft(*args, self.mask_g, self.embed, **kw)
+
+    def stream(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int = 128,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        seed=0,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> Iterator[list[list[int]]]:
+        """As :meth:`Generator.stream`, but each step may yield up to K+1 tokens per row."""
+        self._check(prompts, max_new_tokens)
+        n = len(prompts)
+        B = bucket(n, self.batch_buckets)
+        stops = set(self.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
+
+        def per_row(x, dtype):
+            arr = np.broadcast_to(np.asarray(x, dtype), (n,))
+            return np.concatenate([arr, np.zeros(B - n, dtype)])
+
+        sampling = SamplingParams.make(
+            B, per_row(temperature, np.float32), per_row(top_k, np.int32), per_row(top_p, np.float32)
+        )
+        greedy_only = not bool(np.any(np.asarray(sampling.temperature) > 0))
+        seeds = jnp.asarray(per_row(seed, np.uint32))
+        lengths = np.array([len(p) for p in prompts] + [1] * (B - n), np.int32)
+        C = self.K + 1
+
+        t0 = time.perf_counter()
+        dcache = new_drafter_cache(self.dcfg, B, self.num_slots)
+        last_aux = [None]
+
+        def seed_drafter(out, start, T):
+            nonlocal dcache
+            # Element j pairs prompt token j+1 with the target aux of j; the last one (the first
+            # generated token) is unknown yet and written by the first draft.
+            toks = np.zeros((B, T), np.int32)
+            for b, p in enumerate(prompts):
+                piece = p[start + 1 : start + 1 + T]
+                toks[b, : len(piece)] = piece
+            dcache = drafter_prefill(
+                self.dparams,
+                dcache,
+                jnp.asarray(toks),
+                out.aux,
+                jnp.full(B, start, jnp.int32),
+                self.embed,
+                cfg=self.dcfg,
+                window=self.window(start + T),
+            )
+            at = np.clip(lengths - 1 - start, 0, T - 1)
+            here = jnp.asarray((lengths - 1 >= start) & (lengths - 1 < start + T))[:, None]
+            aux_last = jnp.take_along_axis(out.aux, jnp.asarray(at)[:, None, None], axis=1)[:, 0]
+            last_aux[0] = aux_last if last_aux[0] is None else jnp.where(here, aux_last, last_aux[0])
+
+        logits, cache = self.prefill(prompts, B, on_chunk=seed_drafter)
+        first = np.asarray(sample_jit(logits, sampling, seeds, jnp.asarray(lengths), greedy_only=greedy_only))
+        self.stats.prefill_s += time.perf_counter() - t0
+
+        # Drafter context for the first step: one element (first token, aux of the last prompt position).
+        ctx_tokens = np.zeros((B, C), np.int32)
+        ctx_tokens[:, 0] = first
+        ctx_aux = jnp.zeros((B, C, last_aux[0].shape[-1]), last_aux[0].dtype).at[:, 0].set(last_aux[0])
+        ctx_count = np.ones(B, np.int32)
+        ctx_start = lengths - 1  # drafter position of the context's first element
+        q = lengths.copy()  # position of each row's root (last committed token, not yet in the target cache)
+        root = first.copy()
+        done = np.zeros(B, bool)
+        done[n:] = True
+        produced = np.zeros(B, np.int32)
+        gained = [[] for _ in range(n)]
+        for b in range(n):  # the first token comes from the prefill
+            self._emit(b, [int(first[b])], gained, produced, done, stops, max_new_tokens)
+        yield gained
+        while not done.all():
+            t0 = time.perf_counter()
+            draft, dcache = self._draft(dcache, ctx_tokens, ctx_aux, ctx_count, ctx_start)
+            jax.block_until_ready(draft)
+            t1 = time.perf_counter()
+            out, cache = verify(
+                self.params,
+                cache,
+                jnp.asarray(root),
+                draft.tokens,
+                jnp.asarray(q),
+                seeds,
+                sampling,
+                cfg=self.cfg,
+                tree=self.tree,
+                window=self.window(int(q[~done].max()) + self.tree.size + 1),
+                greedy_only=greedy_only,
+            )
+            tokens, count = np.asarray(out.tokens), np.asarray(out.count)
+            t2 = time.perf_counter()
+            gained = [[] for _ in range(n)]
+            live = ~done
+            for b in range(n):
+                if live[b]:
+                    c = int(count[b])
+                    self.spec.target_forwards += 1
+                    self.spec.emitted += c
+                    for depth in range(c - 1):
+                        self.spec.accepted_per_position[depth] += 1
+                    self._emit(b, tokens[b, :c].tolist(), gained, produced, done, stops, max_new_tokens)
+            # Next step: live rows advance; finished and padding rows stay in place.
+            step = np.where(live, count, 0)
+            ctx_start = np.where(live, q, ctx_start)
+            q = q + step
+            root = np.where(live, tokens[np.arange(B), np.maximum(count - 1, 0)], root)
+            ctx_tokens = np.where(live[:, None], tokens, ctx_tokens)
+            ctx_count = np.where(live, count, ctx_count)
+            ctx_aux = jnp.where(jnp.asarray(live)[:, None, None], out.aux, ctx_aux)
+            self.spec.steps += 1
+            self.spec.draft_s += t1 - t0
+            self.spec.verify_s += t2 - t1
+            self.spec.host_s += time.perf_counter() - t2
+            self.stats.decode_steps += 1
+            yield gained
+
+    @staticmethod
+    def _emit(b, toks, gained, produced, done, stops, max_new_tokens):
+        for tok in toks:
+            if done[b]:
+                return
+            gained[b].append(tok)
+            produced[b] += 1
+            if tok in stops or produced[b] >= max_new_tokens:
+                done[b] = True

@@ -1,0 +1,202 @@
+"""Static draft trees and the fixed-shape verify graph: target forward, acceptance, KV compaction.
+
+A tree is a static list of paths over per-depth candidate ranks: ``"0,00,000"`` is a chain of 3 (the top
+candidate at depths 1, 2, 3); ``"0,1,00,10"`` puts the top two candidates at depth 1 and the top depth-2
+candidate under each. A node's token is the draft's rank-r candidate at its depth (P-EAGLE's candidates
+depend on the depth only), so siblings are distinct tokens.
+
+Acceptance, one rule for greedy and sampling, chains and trees. At every node n (the root is the last
+committed token) the target picks y(n): its argmax for a greedy row, or a Gumbel-max draw from the
+processed distribution (temperature -> top-k -> top-p, :func:`peagle_jax.sampling.processed_logits`) with
+the uniforms of the position being generated. A child is accepted when its token equals y(parent) and its
+parent was accepted; the deepest accepted node wins and y there is the bonus token. Along the realised
+path each emitted token is y of its parent, drawn from the target's distribution at that prefix with the
+same uniforms plain sampling would use, so the output equals plain decoding token for token (greedy or
+seeded sampling), hence is lossless. For a chain with a greedy drafter this is the standard rule: a draft
+token d is accepted with probability p(d), and on rejection the emitted token follows p without d.
+
+Compaction: the accepted path's keys and values are moved to the slots right after the root, so that the
+cache again holds the committed sequence contiguously at its positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from peagle_jax import model
+from peagle_jax.config import ModelConfig
+from peagle_jax.errors import UserError
+from peagle_jax.ops import argmax_first
+from peagle_jax.sampling import SamplingParams, processed_logits, uniforms
+
+
+@dataclasses.dataclass(frozen=True)
+class Tree:
+    """Static tree: node i (1-based; 0 is the root) has ``parents[i-1]``, ``depths[i-1]``, ``ranks[i-1]``.
+    Nodes are ordered so that a parent comes before its children."""
+
+    parents: tuple[int, ...]
+    depths: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    @property
+    def depth(self) -> int:
+        """K: the deepest draft depth the tree uses."""
+        return max(self.depths)
+
+    @property
+    def width(self) -> int:
+        """Candidates needed per depth (top-n of the draft)."""
+        return max(self.ranks) + 1
+
+    @property
+    def is_chain(self) -> bool:
+        return self.depths == tuple(range(1, self.size + 1)) and set(self.ranks) == {0}
+
+    def mask(self) -> np.ndarray:
+        """[T, T] (T = size + 1): node i sees itself and its ancestors."""
+        T = self.size + 1
+        m = np.eye(T, dtype=bool)
+        parent = (-1, *self.parents)
+        for i in range(1, T):
+            j = parent[i]
+            while j >= 0:
+                m[i, j] = True
+                j = parent[j]
+        return m
+
+    def ancestors(self) -> np.ndarray:
+        """[T, K] node index at each depth 1..K on the path to node i (0 = none beyond its depth)."""
+        T, K = self.size + 1, self.depth
+        out = np.zeros((T, K), np.int32)
+        parent, depth = (-1, *self.parents), (0, *self.depths)
+        for i in range(1, T):
+            j = i
+            while j > 0:
+                out[i, depth[j] - 1] = j
+                j = parent[j]
+        return out
+
+
+def chain(k: int) -> Tree:
+    return Tree(tuple(range(k)), tuple(range(1, k + 1)), (0,) * k)
+
+
+def parse_tree(spec: str) -> Tree:
+    """``"0,00,000"`` (a chain of 3) or ``"0,1,00,10"``: comma-separated paths of candidate ranks."""
+    paths = [p.strip() for p in spec.split(",") if p.strip()]
+    if not paths or any(not p.isdigit() for p in paths):
+        raise UserError(f"--tree {spec!r}: expected comma-separated paths of candidate ranks, e.g. 0,1,00,10")
+    if len(set(paths)) != len(paths):
+        raise UserError(f"--tree {spec!r}: a path is listed twice")
+    known = set(paths)
+    for p in paths:
+        if len(p) > 1 and p[:-1] not in known:
+            raise UserError(f"--tree {spec!r}: path {p} has no parent path {p[:-1]}")
+    ordered = sorted(paths, key=lambda p: (len(p), p))
+    index = {p: i + 1 for i, p in enumerate(ordered)}
+    return Tree(
+        parents=tuple(index[p[:-1]] if len(p) > 1 else 0 for p in ordered),
+        depths=tuple(len(p) for p in ordered),
+        ranks=tuple(int(p[-1]) for p in ordered),
+    )
+
+
+class VerifyOut(NamedTuple):
+    """``tokens`` [B, K+1]: the emitted tokens (accepted drafts then the bonus), ``count`` [B] how many
+    (1..K+1), ``aux`` [B, K+1, A*D]: target aux hidden states of the committed root and accepted nodes
+    (the next draft's context), ``accepted_depths`` [B] = count - 1."""
+
+    tokens: jax.Array
+    count: jax.Array
+    aux: jax.Array
+
+
+def _node_choices(logits_BTV, sampling, seeds_B, positions_BT, greedy_only):
+    """y(n) for every node: argmax for greedy rows, a seeded Gumbel-max draw for sampling rows."""
+    greedy_BT = argmax_first(logits_BTV, axis=-1)
+    if greedy_only:
+        return greedy_BT
+    B, T, V = logits_BTV.shape
+    flat = SamplingParams(*(jnp.repeat(x, T) for x in sampling))
+    filtered = processed_logits(logits_BTV.reshape(B * T, V), flat)
+    u = uniforms(jnp.repeat(seeds_B, T), positions_BT.reshape(-1), V)
+    sampled = argmax_first(filtered - jnp.log(-jnp.log(u)), axis=-1).reshape(B, T)
+    return jnp.where((sampling.temperature > 0)[:, None], sampled, greedy_BT)
+
+
+def _compact(cache_BGSH, q_B, path_BK):
+    """Move the accepted path's entries (tree node slots ``q + node``) to slots ``q + 1 .. q + K``."""
+    B = cache_BGSH.shape[0]
+    src_BK = q_B[:, None] + path_BK
+    rows = []
+    for b in range(B):
+        moved_GKH = jnp.take(cache_BGSH[b], src_BK[b], axis=1)
+        rows.append(jax.lax.dynamic_update_slice(cache_BGSH[b], moved_GKH, (0, q_B[b] + 1, 0)))
+    return jnp.stack(rows)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "tree", "window", "greedy_only"), donate_argnames=("cache",))
+def verify(
+    params,
+    cache,
+    root_B,
+    draft_tokens_BKn,
+    q_B,
+    seeds_B,
+    sampling: SamplingParams,
+    *,
+    cfg: ModelConfig,
+    tree: Tree,
+    window: int,
+    greedy_only: bool,
+):
+    """Verify one static tree of drafts per row against the target, in one forward pass.
+
+    ``root_B`` is the last committed token, at position ``q_B`` (not yet in the target cache);
+    ``draft_tokens_BKn`` the draft's candidates per depth (target ids). Writes the root and the tree at
+    slots ``q .. q + size`` (tree mask, RoPE positions ``q + depth``), accepts, and compacts the accepted
+    path. Returns ``(VerifyOut, cache)``; the row's next root is ``tokens[count-1]`` at ``q + count``.
+    """
+    K, T = tree.depth, tree.size + 1
+    depths = jnp.asarray((0, *tree.depths), jnp.int32)
+    node_tokens_BN = draft_tokens_BKn[:, jnp.asarray(tree.depths) - 1, jnp.asarray(tree.ranks)]
+    tokens_BT = jnp.concatenate([root_B[:, None], node_tokens_BN], axis=1).astype(jnp.int32)
+    positions_BT = q_B[:, None] + depths[None, :]
+    mask_BTT = jnp.broadcast_to(jnp.asarray(tree.mask()), (q_B.shape[0], T, T))
+    out, cache = model.forward(
+        params, cache, tokens_BT, q_B, cfg=cfg, mask_BTT=mask_BTT, positions_BT=positions_BT, window=window
+    )
+    y_BT = _node_choices(out.logits, sampling, seeds_B, positions_BT + 1, greedy_only)
+    # Accepted: token equals y(parent) and the parent is accepted; parents precede children.
+    parents = (0, *tree.parents)
+    accepted = [jnp.ones_like(q_B, dtype=bool)]
+    for i in range(1, T):
+        accepted.append(accepted[parents[i]] & (tokens_BT[:, i] == y_BT[:, parents[i]]))
+    accepted_BT = jnp.stack(accepted, axis=1)
+    # The deepest accepted node (first in order among equals).
+    score_BT = jnp.where(accepted_BT, depths[None, :] * T - jnp.arange(T)[None, :], -1)
+    best_B = argmax_first(score_BT, axis=-1)
+    count_B = jnp.take(depths, best_B) + 1
+    path_BK = jnp.take(jnp.asarray(tree.ancestors()), best_B, axis=0)  # node at each depth 1..K (0 = beyond)
+    path_nodes_BK1 = jnp.concatenate([jnp.zeros_like(path_BK[:, :1]), path_BK], axis=1)  # root first
+    ks = jnp.arange(K + 1)[None, :]
+    # Emitted token k (k = 0..K): y of the path node at depth k, valid while k < count.
+    emitted_BK1 = jnp.take_along_axis(y_BT, path_nodes_BK1, axis=1)
+    emitted_BK1 = jnp.where(ks < count_B[:, None], emitted_BK1, 0)
+    aux_BKX = jnp.take_along_axis(out.aux, path_nodes_BK1[:, :, None], axis=1)
+    if not tree.is_chain:  # a chain's path already sits at slots q+1..q+K
+        cache = model.KVCache(
+            tuple(_compact(k, q_B, path_BK) for k in cache.k), tuple(_compact(v, q_B, path_BK) for v in cache.v)
+        )
+    return VerifyOut(emitted_BK1.astype(jnp.int32), count_B.astype(jnp.int32), aux_BKX), cache
