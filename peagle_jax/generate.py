@@ -23,7 +23,8 @@ DEFAULT_MODEL = "smollm2"
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m peagle_jax.generate",
-        description="Generate with a Llama/Qwen target model in JAX (plain decoding).",
+        description="Generate with a Llama/Qwen target model in JAX, plainly or with P-EAGLE / EAGLE-3 "
+        "speculative decoding (--drafter).",
     )
     p.add_argument(
         "--model",
@@ -54,6 +55,22 @@ def build_parser() -> argparse.ArgumentParser:
         default="float32",
         help="weights and compute dtype: float32 on CPU (default), bfloat16 on accelerators",
     )
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--drafter",
+        help="drafter directory: speculators or EAGLE/AWS PyTorch layout, or converted by peagle_jax.convert; "
+        "without it, plain decoding",
+    )
+    spec.add_argument("--k", type=int, help="draft tokens per step (default: the drafter config's, usually 7)")
+    spec.add_argument(
+        "--tree",
+        help="static draft tree as comma-separated paths of per-depth candidate ranks, e.g. 0,1,00,10 "
+        "(default: a chain of K)",
+    )
+    spec.add_argument(
+        "--sequential", action="store_true", help="EAGLE-3 drafting: K sequential drafter passes instead of one"
+    )
+    spec.add_argument("--fused", action="store_true", help="draft and verify in one graph (one launch per step)")
     p.add_argument(
         "--json",
         action="store_true",
@@ -101,19 +118,48 @@ def encode_prompt(args, tokenizer) -> list[int]:
     return tokenizer.encode(args.prompt)
 
 
+def speculative_generator(args, model_dir):
+    """Target + drafter, with the drafter's aux taps applied to the target."""
+    from peagle_jax.checkpoint import load_target_any
+    from peagle_jax.drafter.load import load_drafter
+    from peagle_jax.speculative import SpeculativeGenerator
+    from peagle_jax.verify import parse_tree
+
+    dcfg, dparams = load_drafter(args.drafter, dtype=args.dtype)
+    cfg, params = load_target_any(model_dir, dtype=args.dtype, aux_layer_ids=dcfg.aux_layer_ids)
+    tree = parse_tree(args.tree) if args.tree else None
+    return SpeculativeGenerator(
+        cfg,
+        params,
+        dcfg,
+        dparams,
+        k=args.k,
+        tree=tree,
+        sequential=args.sequential,
+        fused=args.fused,
+        max_seq_len=args.max_seq_len,
+    )
+
+
 def run(args) -> dict:
     from peagle_jax.checkpoint import load_target_any
     from peagle_jax.engine import Generator
     from peagle_jax.sampling import check_sampling_args
 
     check_sampling_args(args.temperature, args.top_k, args.top_p)
-    if args.max_seq_len < 2:  # checked here: the Generator raises a plain ValueError for it
-        raise UserError(f"--max-seq-len must be >= 2, got {args.max_seq_len}")
+    if args.drafter is None and (args.k is not None or args.tree or args.sequential or args.fused):
+        raise UserError("--k, --tree, --sequential and --fused need --drafter")
+    if args.k is not None and args.k < 1:
+        raise UserError(f"--k must be >= 1, got {args.k}")
     model_dir = resolve_model_dir(args.model)
     tokenizer = load_tokenizer(model_dir)
     prompt = encode_prompt(args, tokenizer)
-    cfg, params = load_target_any(model_dir, dtype=args.dtype)
-    gen = Generator(cfg, params, max_seq_len=args.max_seq_len)
+    if args.drafter is None:
+        cfg, params = load_target_any(model_dir, dtype=args.dtype)
+        gen = Generator(cfg, params, max_seq_len=args.max_seq_len)
+    else:
+        gen = speculative_generator(args, model_dir)
+        cfg = gen.cfg
     stop_ids = set(cfg.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         stop_ids.add(tokenizer.eos_token_id)
@@ -153,6 +199,12 @@ def run(args) -> dict:
         # Decode throughput: tokens after the first over the time after the first (excludes compile+prefill).
         "tokens_per_s": round(decode_tokens / (t_end - t_first), 2) if decode_tokens else 0.0,
     }
+    if args.drafter is not None:
+        result.update(
+            acceptance_length=round(gen.spec.acceptance_length, 3),
+            accepted_per_position=gen.spec.accepted_per_position,
+            target_forwards=gen.spec.target_forwards,
+        )
     if not args.json and tokenizer is None:
         print(",".join(map(str, out)))
     elif not args.json:

@@ -270,6 +270,19 @@ class SpeculativeGenerator(Generator):
             self.stats.decode_steps += 1
             yield gained
 
+    def warmup(self, batch: int, prompt_len: int, max_new_tokens: int, *, greedy_only: bool = True) -> float:
+        """Compile the prefill, draft and verify graphs of a request of this size by running a short one on
+        a scratch prompt (graphs for larger attention windows compile when a run first reaches them)."""
+        t0 = time.perf_counter()
+        self.generate(
+            [[0] * prompt_len] * batch,
+            max_new_tokens=min(max_new_tokens, self.K + 2),
+            stop_token_ids=[],
+            temperature=0.0 if greedy_only else 1.0,
+        )
+        self.spec = SpecStats(accepted_per_position=[0] * self.K)
+        return time.perf_counter() - t0
+
     @staticmethod
     def _emit(b, toks, gained, produced, done, stops, max_new_tokens):
         for tok in toks:

@@ -47,3 +47,21 @@ def load_drafter(path: str | Path, *, dtype: str = "float32") -> tuple[DrafterCo
     else:
         raise ConfigError(f"{path}: no such directory")
     return cfg, cast_floats(params, dtype)
+
+
+def save_drafter(
+    path: str | Path, cfg: DrafterConfig, params, *, layout: str = "speculators", max_shard_size: int | None = None
+) -> list[Path]:
+    """Write a drafter as a PyTorch directory (``config.json`` + safetensors) in the speculators or EAGLE
+    layout, as trained or built in JAX; the inverse of :func:`load_drafter` on such a directory."""
+    import json
+
+    from peagle_jax.drafter.config import to_eagle_config, to_speculators_config
+    from peagle_jax.drafter.weights import drafter_params_to_tensors
+    from peagle_jax.weights import write_safetensors
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = to_speculators_config(cfg) if layout == "speculators" else to_eagle_config(cfg)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return write_safetensors(path, drafter_params_to_tensors(params, cfg, layout), max_shard_size=max_shard_size)
