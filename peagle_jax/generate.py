@@ -149,6 +149,8 @@ def run(args) -> dict:
     check_sampling_args(args.temperature, args.top_k, args.top_p)
     if args.drafter is None and (args.k is not None or args.tree or args.sequential or args.fused):
         raise UserError("--k, --tree, --sequential and --fused need --drafter")
+    if args.max_seq_len < 2:
+        raise UserError(f"--max-seq-len must be >= 2, got {args.max_seq_len}")
     if args.k is not None and args.k < 1:
         raise UserError(f"--k must be >= 1, got {args.k}")
     model_dir = resolve_model_dir(args.model)
