@@ -325,7 +325,15 @@ def test_real_smollm2_greedy_speculative_equals_plain(tmp_path):
     plain = Generator(cfg, params, max_seq_len=256).generate(
         [prompt, prompt[:20]], max_new_tokens=24, stop_token_ids=[]
     )
-    for kw in (dict(k=4), dict(tree=V.parse_tree("0,1,00")), dict(k=2, sequential=True)):
+    variants = (
+        dict(k=1),
+        dict(k=3, fused=True),
+        dict(k=7),
+        dict(tree=V.parse_tree("0,1,00")),
+        dict(k=3, sequential=True),
+        dict(k=2, sequential=True, fused=True),
+    )
+    for kw in variants:
         gen = SpeculativeGenerator(cfg, params, dcfg, dparams, max_seq_len=256, **kw)
         res = gen.generate([prompt, prompt[:20]], max_new_tokens=24, stop_token_ids=[])
         assert [r.token_ids for r in res] == [r.token_ids for r in plain]
