@@ -149,6 +149,35 @@ class Generator:
             logits = out.logits if logits is None else jnp.where(ended_here, out.logits, logits)
         return logits, cache
 
+    def _request(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids):
+        """Check a request and lay out its per-row arrays over the batch bucket: (n, B, stop ids, sampling
+        params, whether every row is greedy, seeds)."""
+        self._check(prompts, max_new_tokens)
+        n = len(prompts)
+        B = bucket(n, self.batch_buckets)
+        stops = set(self.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
+
+        def per_row(x, dtype):
+            arr = np.broadcast_to(np.asarray(x, dtype), (n,))
+            return np.concatenate([arr, np.zeros(B - n, dtype)])
+
+        sampling = SamplingParams.make(
+            B, per_row(temperature, np.float32), per_row(top_k, np.int32), per_row(top_p, np.float32)
+        )
+        greedy_only = not bool(np.any(np.asarray(sampling.temperature) > 0))
+        return n, B, stops, sampling, greedy_only, jnp.asarray(per_row(seed, np.uint32))
+
+    @staticmethod
+    def _emit(b, toks, gained, produced, done, stops, max_new_tokens):
+        """Append row b's new tokens to ``gained[b]`` until a stop token or ``max_new_tokens``."""
+        for tok in toks:
+            if done[b]:
+                return
+            gained[b].append(tok)
+            produced[b] += 1
+            if tok in stops or produced[b] >= max_new_tokens:
+                done[b] = True
+
     def warmup(self, batch: int, prompt_len: int, max_new_tokens: int, *, greedy_only: bool = True) -> float:
         """Compile, by running once on scratch inputs, every graph a request of this size will use: the
         prefill buckets of the prompt and a decode step for each attention window its context crosses.
@@ -185,20 +214,9 @@ class Generator:
         Sampling arguments are scalars or per-prompt sequences. A row that hits a stop token or its
         ``max_new_tokens`` stops gaining tokens while the others go on (it keeps stepping, padded).
         """
-        self._check(prompts, max_new_tokens)
-        n = len(prompts)
-        B = bucket(n, self.batch_buckets)
-        stops = set(self.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
-
-        def per_row(x, dtype):
-            arr = np.broadcast_to(np.asarray(x, dtype), (n,))
-            return np.concatenate([arr, np.zeros(B - n, dtype)])
-
-        sampling = SamplingParams.make(
-            B, per_row(temperature, np.float32), per_row(top_k, np.int32), per_row(top_p, np.float32)
+        n, B, stops, sampling, greedy_only, seeds = self._request(
+            prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids
         )
-        greedy_only = not bool(np.any(np.asarray(sampling.temperature) > 0))
-        seeds = jnp.asarray(per_row(seed, np.uint32))
         t0 = time.perf_counter()
         logits, cache = self.prefill(prompts, B)
         positions = np.array([len(p) for p in prompts] + [0] * (B - n), np.int32)
@@ -234,12 +252,7 @@ class Generator:
             tokens_host = np.asarray(pending)
             gained = [[] for _ in range(n)]
             for b in range(n):
-                if not done[b]:
-                    tok = int(tokens_host[b])
-                    gained[b].append(tok)
-                    produced[b] += 1
-                    if tok in stops or produced[b] >= max_new_tokens:
-                        done[b] = True
+                self._emit(b, [int(tokens_host[b])], gained, produced, done, stops, max_new_tokens)
             self.stats.new_tokens += sum(len(g) for g in gained)
             t_yield = time.perf_counter()
             yield gained

@@ -93,6 +93,17 @@ def visible_mask(start_B, num_new: int, num_slots: int, mask_BTT=None):
     return committed_B1S | (in_new_BS[:, None, :] & among_new_BTS)
 
 
+def new_token_layout(start_B, num_new: int, num_slots: int, window: int | None, mask_BTT=None, positions_BT=None):
+    """What a forward over T new tokens per row needs: int32 starts, RoPE positions (default: the write
+    slots ``start .. start+T-1``) and the [B, T, W] visibility over the attention window W (a static bucket,
+    at most the cache size)."""
+    start_B = start_B.astype(jnp.int32)
+    if positions_BT is None:
+        positions_BT = start_B[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]
+    width = min(window or num_slots, num_slots)
+    return start_B, positions_BT, visible_mask(start_B, num_new, width, mask_BTT)
+
+
 def attention(q_BTNH, k_BGSH, v_BGSH, visible_BTS):
     """Grouped-query attention of T new queries over S cache slots; softmax in fp32.
 

@@ -26,8 +26,7 @@ from peagle_jax.config import ModelConfig
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.draft import drafter_prefill, fused_mask_hidden, parallel_draft, sequential_draft
 from peagle_jax.drafter.model import new_drafter_cache
-from peagle_jax.engine import Generator, RequestError, bucket, sample_jit
-from peagle_jax.sampling import SamplingParams
+from peagle_jax.engine import Generator, RequestError, sample_jit
 from peagle_jax.verify import Tree, chain, verify
 
 
@@ -162,20 +161,9 @@ class SpeculativeGenerator(Generator):
         stop_token_ids: Sequence[int] | None = None,
     ) -> Iterator[list[list[int]]]:
         """As :meth:`Generator.stream`, but each step may yield up to K+1 tokens per row."""
-        self._check(prompts, max_new_tokens)
-        n = len(prompts)
-        B = bucket(n, self.batch_buckets)
-        stops = set(self.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
-
-        def per_row(x, dtype):
-            arr = np.broadcast_to(np.asarray(x, dtype), (n,))
-            return np.concatenate([arr, np.zeros(B - n, dtype)])
-
-        sampling = SamplingParams.make(
-            B, per_row(temperature, np.float32), per_row(top_k, np.int32), per_row(top_p, np.float32)
+        n, B, stops, sampling, greedy_only, seeds = self._request(
+            prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids
         )
-        greedy_only = not bool(np.any(np.asarray(sampling.temperature) > 0))
-        seeds = jnp.asarray(per_row(seed, np.uint32))
         lengths = np.array([len(p) for p in prompts] + [1] * (B - n), np.int32)
         C = self.K + 1
 
@@ -282,13 +270,3 @@ class SpeculativeGenerator(Generator):
         )
         self.spec = SpecStats(accepted_per_position=[0] * self.K)
         return time.perf_counter() - t0
-
-    @staticmethod
-    def _emit(b, toks, gained, produced, done, stops, max_new_tokens):
-        for tok in toks:
-            if done[b]:
-                return
-            gained[b].append(tok)
-            produced[b] += 1
-            if tok in stops or produced[b] >= max_new_tokens:
-                done[b] = True

@@ -70,11 +70,9 @@ def drafter_forward(
     """T drafter elements per row at cache slots ``start[b] ..``; the drafter's counterpart of
     :func:`peagle_jax.model.forward` (``logits_at_BM`` gathers rows before the LM head).
     Returns ``(DraftForwardOut, cache)``."""
-    T = tokens_BT.shape[1]
-    start_B = start_B.astype(jnp.int32)
-    if positions_BT is None:
-        positions_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    visible_BTS = ops.visible_mask(start_B, T, min(window or cache.num_slots, cache.num_slots), mask_BTT)
+    start_B, positions_BT, visible_BTS = ops.new_token_layout(
+        start_B, tokens_BT.shape[1], cache.num_slots, window, mask_BTT, positions_BT
+    )
     return Drafter(cfg).apply(
         {"params": params},
         tokens_BT.astype(jnp.int32),

@@ -1,0 +1,123 @@
+"""COD (Conditional Drop-token) sampling of P-EAGLE training elements, on the host.
+
+A training element is a pair (anchor a, depth d) over one packed sequence of n positions. It sits at
+position ``p = a + d`` (its RoPE position, and the position whose token / target / loss mask it uses) and
+stands for "the d-th parallel draft slot when drafting from anchor a". Depth 0 is every position (real
+token and aux feature); depth d >= 1 elements are mask elements.
+
+Sampling (the PARD / P-EAGLE recipe, as speculators' ``generate_cod_sample_indices``):
+
+- seeds: the positions with loss mask 1, or ``max_anchors`` of them drawn at random when there are more;
+- depth d >= 1 keeps ``int(max(0, n_seeds - d) * max(r**d, r_min))`` positions, drawn uniformly among the
+  candidate pool (all of it when the pool is smaller), sorted;
+- the pool of depth 1 is the seeds; the pool of depth d + 1 is the kept depth-d positions shifted by one,
+  restricted to loss-masked positions inside the sequence. So the element (a, d) exists only when its
+  parent (a, d - 1) was kept: the chain from an anchor is contiguous.
+
+One deliberate difference: speculators lets a loss-masked position 0 into the depth-1 pool, which yields
+an element anchored at -1 (no such depth-0 element; torch's negative indexing then reads the last
+document id). Here position 0 is left out of that pool. The per-depth sizes do not change, since the
+pool of depth 1 is always larger than the depth-1 sample.
+
+Fixed shapes: :func:`pad_elements` pads the element list to a static length E with invalid elements
+(``valid`` False), which the objective masks out of attention and loss; :func:`max_elements` bounds E.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+
+class Elements(NamedTuple):
+    """Per element: ``anchor`` and ``depth`` int32, ``valid`` bool (False for padding); all [E] or [B, E]."""
+
+    anchor: np.ndarray
+    depth: np.ndarray
+    valid: np.ndarray
+
+
+def depth_sizes_bound(n_seeds: int, num_depths: int, ratio: float = 0.7, ratio_min: float = 0.2) -> list[int]:
+    """The formula's size per depth 1..num_depths-1 (the sampled size, or less when the pool runs short)."""
+    sizes = []
+    for d in range(1, num_depths):
+        size = int(max(0, n_seeds - d) * max(ratio**d, ratio_min))
+        if size <= 0:
+            break
+        sizes.append(size)
+    return sizes
+
+
+def max_elements(
+    seq_len: int, num_depths: int, ratio: float = 0.7, ratio_min: float = 0.2, max_anchors: int | None = None
+) -> int:
+    """An upper bound on the number of elements of any sequence of ``seq_len`` positions: a static E."""
+    n_seeds = seq_len if max_anchors is None else min(seq_len, max_anchors)
+    return seq_len + sum(depth_sizes_bound(n_seeds, num_depths, ratio, ratio_min))
+
+
+def cod_sample(
+    loss_mask_T,
+    *,
+    num_depths: int,
+    rng: np.random.Generator,
+    ratio: float = 0.7,
+    ratio_min: float = 0.2,
+    max_anchors: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """COD elements of one sequence: ``(anchor, depth)`` int32 arrays, depth 0 first (positions 0..n-1), then
+    each depth in increasing position order. ``rng`` is the only source of randomness."""
+    loss_mask_T = np.asarray(loss_mask_T)
+    n = loss_mask_T.shape[0]
+    is_valid_T = loss_mask_T != 0
+    valid = np.flatnonzero(is_valid_T)
+    if max_anchors is not None and valid.shape[0] > max_anchors:
+        seeds = np.sort(rng.choice(valid, size=max_anchors, replace=False))
+    else:
+        seeds = valid
+    anchors = [np.arange(n)]
+    depths = [np.zeros(n, np.int64)]
+    pool = seeds[seeds >= 1]  # a depth-1 element at p is anchored at p - 1, which must exist
+    for d, size in enumerate(depth_sizes_bound(seeds.shape[0], num_depths, ratio, ratio_min), start=1):
+        kept = np.sort(rng.choice(pool, size=size, replace=False)) if pool.shape[0] >= size else pool
+        nxt = kept + 1
+        inside = nxt < n
+        pool = nxt[inside][is_valid_T[nxt[inside]]]
+        anchors.append(kept - d)
+        depths.append(np.full(kept.shape[0], d, np.int64))
+    return np.concatenate(anchors).astype(np.int32), np.concatenate(depths).astype(np.int32)
+
+
+def pad_elements(anchor, depth, num_elements: int) -> Elements:
+    """Pad one sequence's elements to the static length E; padding is (anchor 0, depth 0, invalid)."""
+    count = anchor.shape[0]
+    if count > num_elements:
+        raise ValueError(f"{count} COD elements do not fit in {num_elements}; raise E (see max_elements)")
+    pad = num_elements - count
+    return Elements(
+        np.concatenate([anchor, np.zeros(pad, np.int32)]).astype(np.int32),
+        np.concatenate([depth, np.zeros(pad, np.int32)]).astype(np.int32),
+        np.arange(num_elements) < count,
+    )
+
+
+def cod_batch(
+    loss_mask_BT,
+    num_elements: int,
+    *,
+    num_depths: int,
+    rng: np.random.Generator,
+    ratio: float = 0.7,
+    ratio_min: float = 0.2,
+    max_anchors: int | None = None,
+) -> Elements:
+    """COD elements for each row of a batch, each padded to E: :class:`Elements` of [B, E] arrays."""
+    rows = [
+        pad_elements(
+            *cod_sample(row, num_depths=num_depths, rng=rng, ratio=ratio, ratio_min=ratio_min, max_anchors=max_anchors),
+            num_elements,
+        )
+        for row in np.asarray(loss_mask_BT)
+    ]
+    return Elements(*(np.stack(field) for field in zip(*rows, strict=True)))

@@ -1,0 +1,147 @@
+"""The P-EAGLE training objective: element mask, element inputs, KL loss and per-depth metrics.
+
+Data layout (one packed sequence per row, T positions, the EAGLE shift already applied by data prep):
+position p holds the input token ``tokens[p]`` (= x_{p+1}), the target's aux hidden states ``aux[p]``
+(= of position p), the target's final *normed* hidden state ``target_hidden[p]`` whose draft-vocab logits
+supervise the element at p, the loss mask ``loss_mask[p]`` and ``document_ids[p]`` (-1 = padding).
+
+Elements (see :mod:`peagle_jax.train.cod`): (anchor a, depth d) at position ``p = a + d``; E per row, the
+invalid ones padding. Depth 0: real token and aux; depth >= 1: the mask token and ``mask_hidden``, both
+through the same input norms and ``fc`` as real aux features. RoPE position ``p``.
+
+Attention (:func:`element_mask`): q sees kv iff both are valid, q's anchor is not a padding position, they
+share a document (of their anchors), and either kv is a depth-0 element at or before q's anchor, or kv is
+in q's own chain (same anchor) at a depth <= q's. This is exactly what the drafter sees when drafting from
+anchor a at inference: the committed context up to a, then the mask slots before it in the window.
+Invalid elements are seen by nobody, so their inputs cannot influence the loss; their own rows see
+nothing (a uniform, finite softmax) and carry zero loss weight.
+
+Loss: ``sum_e w_e KL(softmax(t_e) || softmax(z_e)) / sum_e w_e`` with z the draft logits, t the target
+logits over the draft vocab and ``w_e = valid_e * loss_mask[p_e]``; no per-depth decay. Shape letters as
+in :mod:`peagle_jax.drafter.model`, plus E elements and K draft depths.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from peagle_jax import ops
+from peagle_jax.drafter.config import DrafterConfig
+from peagle_jax.drafter.draft import drafter_forward
+from peagle_jax.drafter.model import Drafter, new_drafter_cache
+
+
+class PEagleBatch(NamedTuple):
+    """One training batch with static shapes; every field an array (a pytree)."""
+
+    tokens_BT: jax.Array  # int32 input token per position
+    aux_BTX: jax.Array  # target aux hidden states, concatenated [A*Ht]
+    target_hidden_BTD: jax.Array  # target final normed hidden states [Ht]
+    loss_mask_BT: jax.Array  # 0/1
+    document_ids_BT: jax.Array  # int32, -1 for padding positions
+    anchor_BE: jax.Array  # int32
+    depth_BE: jax.Array  # int32
+    valid_BE: jax.Array  # bool, False for padding elements
+
+
+def split_trainable(params) -> tuple[dict, dict]:
+    """(trainable, frozen) top-level parameter dicts: the vocab maps ``d2t`` / ``t2d`` are integer and
+    boolean arrays, which ``jax.grad`` refuses; differentiate in the first and pass ``{**a, **b}`` on."""
+    frozen = {k: v for k, v in params.items() if not hasattr(v, "dtype") or not jnp.issubdtype(v.dtype, jnp.floating)}
+    frozen = {k: v for k, v in frozen.items() if not isinstance(v, dict)}
+    return {k: v for k, v in params.items() if k not in frozen}, frozen
+
+
+def _take(x_BT, idx_BE):
+    """Gather along the position axis; works for [B, T] and [B, T, X]."""
+    if x_BT.ndim == 2:
+        return jnp.take_along_axis(x_BT, idx_BE, axis=1)
+    return jnp.take_along_axis(x_BT, idx_BE[:, :, None], axis=1)
+
+
+def element_positions(anchor_BE, depth_BE, num_positions: int):
+    """``anchor + depth``, clipped into the sequence (padding elements may point anywhere)."""
+    return jnp.clip(anchor_BE + depth_BE, 0, num_positions - 1).astype(jnp.int32)
+
+
+def element_mask(anchor_BE, depth_BE, valid_BE, document_ids_BT):
+    """The P-EAGLE attention mask [B, E, E] (query, key), as described in the module docstring."""
+    T = document_ids_BT.shape[1]
+    doc_BE = _take(document_ids_BT, jnp.clip(anchor_BE, 0, T - 1))
+    q_anchor, kv_anchor = anchor_BE[:, :, None], anchor_BE[:, None, :]
+    same_doc = doc_BE[:, :, None] == doc_BE[:, None, :]
+    usable = (doc_BE != -1)[:, :, None] & valid_BE[:, :, None] & valid_BE[:, None, :]
+    context = (depth_BE == 0)[:, None, :] & (kv_anchor <= q_anchor)
+    chain = (kv_anchor == q_anchor) & (depth_BE[:, None, :] <= depth_BE[:, :, None])
+    return usable & same_doc & (context | chain)
+
+
+def element_inputs(params, batch: PEagleBatch, *, cfg: DrafterConfig):
+    """Tokens [B, E], fused g [B, E, H] and positions [B, E] of the elements: depth 0 real, else mask."""
+    T = batch.tokens_BT.shape[1]
+    pos_BE = element_positions(batch.anchor_BE, batch.depth_BE, T)
+    real_BE = batch.depth_BE == 0
+    tokens_BE = jnp.where(real_BE, _take(batch.tokens_BT.astype(jnp.int32), pos_BE), jnp.int32(cfg.mask_token_id))
+    aux_BEX = _take(batch.aux_BTX, pos_BE).astype(cfg.layer.jnp_dtype)
+    aux_BEX = jnp.where(real_BE[:, :, None], aux_BEX, params["mask_hidden"].astype(aux_BEX.dtype))
+    g_BED = Drafter(cfg).apply({"params": params}, aux_BEX, method=Drafter.fuse)
+    return tokens_BE, g_BED, pos_BE
+
+
+def target_logits(target_head_UD, target_hidden_BED):
+    """The target's logits over the draft vocab: its lm_head rows of the draft ids (t2d) applied to its
+    final normed hidden states. Frozen: no gradient flows into the target."""
+    head_UD = jax.lax.stop_gradient(target_head_UD)
+    hidden_BED = jax.lax.stop_gradient(target_hidden_BED)
+    return ops.linear(head_UD, hidden_BED).astype(jnp.float32)
+
+
+def kl_per_element(draft_logits_BEU, target_logits_BEU):
+    """``KL(softmax(t) || softmax(z))`` per element, in fp32: [B, E]."""
+    log_p = jax.nn.log_softmax(target_logits_BEU.astype(jnp.float32), axis=-1)
+    log_q = jax.nn.log_softmax(draft_logits_BEU.astype(jnp.float32), axis=-1)
+    return jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+
+
+def peagle_loss(params, batch: PEagleBatch, target_head_UD, embed_VD=None, *, cfg: DrafterConfig, num_depths: int):
+    """P-EAGLE training loss and metrics; pure, static-shaped, jittable and differentiable in ``params``.
+
+    ``target_head_UD``: the target's lm_head rows of the draft vocab ``[U, Ht]``; ``embed_VD``: the target's
+    embedding table when the drafter shares it. Returns ``(loss, metrics)`` with metrics as sums and
+    counts, so that they aggregate exactly over batches and devices:
+
+    - ``loss_sum_K`` [K]: sum of the weighted per-element KL per depth (``sum / count`` is the depth loss);
+    - ``correct_K`` [K]: elements whose draft argmax equals the target argmax (over the draft vocab);
+    - ``count_K`` [K]: loss-weighted elements per depth (depths >= K are in the loss but not the metrics).
+    """
+    B, E = batch.anchor_BE.shape
+    tokens_BE, g_BED, pos_BE = element_inputs(params, batch, cfg=cfg)
+    mask_BEE = element_mask(batch.anchor_BE, batch.depth_BE, batch.valid_BE, batch.document_ids_BT)
+    out, _ = drafter_forward(
+        params,
+        new_drafter_cache(cfg, B, E),
+        tokens_BE,
+        g_BED,
+        jnp.zeros((B,), jnp.int32),
+        cfg=cfg,
+        embed_VD=embed_VD,
+        mask_BTT=mask_BEE,
+        positions_BT=pos_BE,
+    )
+    t_BEU = target_logits(target_head_UD, _take(batch.target_hidden_BTD, pos_BE))
+    kl_BE = kl_per_element(out.logits, t_BEU)
+    w_BE = (batch.valid_BE & (_take(batch.loss_mask_BT, pos_BE) != 0)).astype(jnp.float32)
+    loss = jnp.sum(w_BE * kl_BE) / jnp.maximum(jnp.sum(w_BE), 1.0)
+
+    depth_BEK = jax.nn.one_hot(batch.depth_BE, num_depths, dtype=jnp.float32) * w_BE[:, :, None]
+    correct_BE = (ops.argmax_first(out.logits, axis=-1) == ops.argmax_first(t_BEU, axis=-1)).astype(jnp.float32)
+    metrics = {
+        "loss": loss,
+        "loss_sum_K": jnp.einsum("BE,BEK->K", jax.lax.stop_gradient(kl_BE), depth_BEK),
+        "correct_K": jnp.einsum("BE,BEK->K", correct_BE, depth_BEK),
+        "count_K": jnp.sum(depth_BEK, axis=(0, 1)),
+    }
+    return loss, metrics
