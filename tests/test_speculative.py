@@ -337,3 +337,5 @@ def test_real_smollm2_greedy_speculative_equals_plain(tmp_path):
         gen = SpeculativeGenerator(cfg, params, dcfg, dparams, max_seq_len=256, **kw)
         res = gen.generate([prompt, prompt[:20]], max_new_tokens=24, stop_token_ids=[])
         assert [r.token_ids for r in res] == [r.token_ids for r in plain]
+    single = SpeculativeGenerator(cfg, params, dcfg, dparams, max_seq_len=256, k=3)  # batch 1
+    assert single.generate([prompt], max_new_tokens=24, stop_token_ids=[])[0].token_ids == plain[0].token_ids
