@@ -14,18 +14,12 @@ import torch
 
 speculators = pytest.importorskip("speculators", reason="install with: pip install --no-deps speculators==0.9.0")
 
-from speculators.config import SpeculatorsConfig, VerifierConfig  # noqa: E402
 from speculators.losses import resolve_loss_config  # noqa: E402
-from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig  # noqa: E402
-from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig  # noqa: E402
-from speculators.proposals.greedy import GreedyTokenProposalConfig  # noqa: E402
-from transformers import LlamaConfig, Qwen3Config  # noqa: E402
+from speculators_ref import H, V, reference_drafter  # noqa: E402
 
 from peagle_jax.drafter.draft import drafter_forward, fuse_aux, fused_mask_hidden, parallel_draft  # noqa: E402
 from peagle_jax.drafter.load import load_drafter  # noqa: E402
 from peagle_jax.drafter.model import new_drafter_cache  # noqa: E402
-
-V, H, U = 96, 32, 40
 
 CASES = [
     # id, layer family, layers, kv heads, seed, flags
@@ -38,55 +32,8 @@ CASES = [
 ]
 
 
-def _layer_config(family, layers, kv_heads):
-    cls = LlamaConfig if family == "llama" else Qwen3Config
-    cfg = cls(
-        hidden_size=H,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=kv_heads,
-        head_dim=8,
-        vocab_size=V,
-        max_position_embeddings=512,
-    )
-    cfg._attn_implementation = "eager"
-    return cfg
-
-
 def _reference(kind, family, layers, kv_heads, seed, flags, tmp_path):
-    torch.manual_seed(seed)
-    common = dict(
-        transformer_layer_config=_layer_config(family, layers, kv_heads),
-        draft_vocab_size=U,
-        eagle_aux_hidden_state_layer_ids=[1, 2, 3],
-        speculators_config=SpeculatorsConfig(
-            algorithm=kind,
-            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=4)],
-            default_proposal_method="greedy",
-            verifier=VerifierConfig(name_or_path=None, architectures=[]),
-        ),
-        **flags,
-    )
-    if kind == "peagle":
-        model = PEagleDraftModel(PEagleSpeculatorConfig(mask_token_id=V - 1, **common))
-    else:
-        model = Eagle3DraftModel(Eagle3SpeculatorConfig(**common))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:  # non-trivial norm weights, so that a skipped norm shows
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            elif p.ndim == 2:  # activations of order one: fan-in scaled
-                p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
-            else:
-                p.copy_(torch.randn_like(p))
-        model.d2t.copy_(torch.randint(0, V - U, (U,)))
-        model.t2d.zero_()
-        model.t2d[torch.arange(U) + model.d2t] = True
-    model.eval()
-    path = tmp_path / kind
-    model.save_pretrained(path)
-    return model, path
+    return reference_drafter(kind, family, layers, kv_heads, seed, flags, tmp_path / kind)
 
 
 def _capture_lm_head(model):

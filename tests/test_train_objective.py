@@ -16,20 +16,15 @@ import torch
 
 speculators = pytest.importorskip("speculators", reason="install with: pip install --no-deps speculators==0.9.0")
 
-from speculators.config import SpeculatorsConfig, VerifierConfig  # noqa: E402
 from speculators.losses import resolve_loss_config  # noqa: E402
 from speculators.losses.eager import kl_div_loss  # noqa: E402
-from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig  # noqa: E402
 from speculators.models.peagle.attention import create_peagle_mask_mod  # noqa: E402
 from speculators.models.peagle.data import generate_cod_sample_indices  # noqa: E402
-from speculators.proposals.greedy import GreedyTokenProposalConfig  # noqa: E402
-from transformers import LlamaConfig, Qwen3Config  # noqa: E402
+from speculators_ref import H, U, V, reference_drafter  # noqa: E402
 
 from peagle_jax.drafter.load import load_drafter  # noqa: E402
 from peagle_jax.train.cod import cod_batch, cod_sample, depth_sizes_bound, max_elements, pad_elements  # noqa: E402
 from peagle_jax.train.objective import PEagleBatch, element_mask, peagle_loss, split_trainable  # noqa: E402
-
-V, H, U = 96, 32, 40
 
 
 def _reference_mask(anchor, depth, docs):
@@ -124,54 +119,8 @@ def test_cod_short_sequence_and_padding():
 # --- the loss, against speculators' training forward --------------------------------------------------------
 
 
-def _layer_config(family, layers, kv_heads):
-    cls = LlamaConfig if family == "llama" else Qwen3Config
-    cfg = cls(
-        hidden_size=H,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=kv_heads,
-        head_dim=8,
-        vocab_size=V,
-        max_position_embeddings=512,
-    )
-    cfg._attn_implementation = "eager"
-    return cfg
-
-
 def _reference(family, layers, kv_heads, seed, flags, tmp_path):
-    """A random speculators P-EAGLE drafter (non-trivial norms, verifier head and norm), saved."""
-    torch.manual_seed(seed)
-    model = PEagleDraftModel(
-        PEagleSpeculatorConfig(
-            mask_token_id=V - 1,
-            transformer_layer_config=_layer_config(family, layers, kv_heads),
-            draft_vocab_size=U,
-            eagle_aux_hidden_state_layer_ids=[1, 2, 3],
-            speculators_config=SpeculatorsConfig(
-                algorithm="peagle",
-                proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=4)],
-                default_proposal_method="greedy",
-                verifier=VerifierConfig(name_or_path=None, architectures=[]),
-            ),
-            **flags,
-        )
-    )
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            elif p.ndim == 2:
-                p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
-            else:
-                p.copy_(torch.randn_like(p))
-        model.d2t.copy_(torch.randint(0, V - U, (U,)))
-        model.t2d.zero_()
-        model.t2d[torch.arange(U) + model.d2t] = True
-    model.eval()
-    model.save_pretrained(tmp_path / "peagle")
-    return model, tmp_path / "peagle"
+    return reference_drafter("peagle", family, layers, kv_heads, seed, flags, tmp_path / "peagle")
 
 
 CASES = [
