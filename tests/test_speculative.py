@@ -17,7 +17,7 @@ from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.model import init_drafter_params
 from peagle_jax.engine import Generator
 from peagle_jax.sampling import SamplingParams, processed_logits
-from peagle_jax.speculative import SpeculativeGenerator
+from peagle_jax.speculative import SpeculativeGenerator, fused_step
 
 # A 6-token vocabulary and large weights: random models then agree often enough that drafts are accepted
 # at every depth, which is what these tests must exercise.
@@ -77,8 +77,12 @@ def test_greedy_equals_plain_greedy(models, plain_greedy, k, tree, sequential, f
         fused=fused,
         max_seq_len=64,
     )
+    launches = fused_step._cache_size()
     results = gen.generate(PROMPTS, max_new_tokens=24, stop_token_ids=[])
     assert [r.token_ids for r in results] == [r.token_ids for r in plain_greedy]
+    # --fused runs one graph per step: no separate draft launch is timed, and its graph was compiled.
+    assert (gen.spec.draft_s == 0.0) == fused
+    assert not fused or fused_step._cache_size() > launches
     assert gen.spec.accepted_per_position[0] > 0  # drafts were accepted: acceptance was exercised
     assert gen.spec.acceptance_length > 1.0
 
