@@ -26,7 +26,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from peagle_jax.config import ARCHITECTURES, DTYPES, FAMILIES, ConfigError, ModelConfig, from_hf_config
+from peagle_jax.config import (
+    ARCHITECTURES,
+    DTYPES,
+    FAMILIES,
+    ConfigError,
+    ModelConfig,
+    from_hf_config,
+)
 from peagle_jax.drafter.config import EAGLE_ARCHITECTURE, MASK_TOKEN_KEYS
 from peagle_jax.errors import UserError
 from peagle_jax.weights import check_params, expected_shapes, flatten, load_target
@@ -59,20 +66,6 @@ class CheckpointMeta:
 
 def is_jax_checkpoint(path: str | Path) -> bool:
     return (Path(path) / META_FILE).is_file()
-
-
-def read_config_json(model_dir: str | Path) -> dict[str, Any]:
-    """The ``config.json`` of a PyTorch model directory, as a dict; errors name the file."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{model_dir}: no config.json (is this a Hugging Face or speculators model directory?)")
-    try:
-        d = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(d, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(d).__name__}")
-    return d
 
 
 def detect_kind(config: dict[str, Any]) -> str:

@@ -320,15 +320,20 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
     return hf
 
 
-def load_hf_config(model_dir: str | Path, **kwargs) -> ModelConfig:
-    """Read ``config.json`` from a model directory; errors name the file."""
+def read_config_json(model_dir: str | Path) -> dict[str, Any]:
+    """The ``config.json`` of a model directory, as a dict; errors name the file."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise ConfigError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
+        raise ConfigError(f"{model_dir}: no config.json (is this a Hugging Face or speculators model directory?)")
     try:
-        hf = json.loads(path.read_text())
+        d = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ConfigError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(hf, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(hf).__name__}")
-    return from_hf_config(hf, **kwargs)
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(d).__name__}")
+    return d
+
+
+def load_hf_config(model_dir: str | Path, **kwargs) -> ModelConfig:
+    """Read ``config.json`` from a model directory; errors name the file."""
+    return from_hf_config(read_config_json(model_dir), **kwargs)

@@ -29,9 +29,9 @@ from peagle_jax.checkpoint import (
     detect_kind,
     is_jax_checkpoint,
     load_checkpoint,
-    read_config_json,
     save_checkpoint,
 )
+from peagle_jax.config import read_config_json
 from peagle_jax.errors import UserError
 
 LAYOUT_CHOICES = ("speculators", "eagle")

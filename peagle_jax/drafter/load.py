@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from peagle_jax.checkpoint import CheckpointError, cast_floats, is_jax_checkpoint, load_checkpoint, read_config_json
-from peagle_jax.config import ConfigError
+from peagle_jax.checkpoint import CheckpointError, cast_floats, is_jax_checkpoint, load_checkpoint
+from peagle_jax.config import ConfigError, read_config_json
 from peagle_jax.drafter.config import DrafterConfig, drafter_config_from_dict
 from peagle_jax.drafter.weights import (
     check_drafter_params,
