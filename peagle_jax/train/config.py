@@ -18,6 +18,7 @@ import yaml
 from peagle_jax.config import ConfigError
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
+OBJECTIVES = ("peagle", "eagle3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +27,9 @@ class TrainConfig:
 
     The learning rate rises linearly from 0 to ``lr`` over ``warmup_steps`` and then follows a cosine to
     ``lr * min_lr_ratio`` at ``total_steps``. Master weights and the optimizer are always fp32;
-    ``compute_dtype`` is the dtype of the forward (and backward) pass.
+    ``compute_dtype`` is the dtype of the forward (and backward) pass. ``objective``: ``peagle`` (parallel
+    drafting, COD elements) or ``eagle3`` (sequential drafting, training-time test); ``segments`` > 1
+    partitions each row's P-EAGLE elements into that many passes with exact gradients (less memory).
     """
 
     lr: float = 6e-4
@@ -42,6 +45,8 @@ class TrainConfig:
     keep_last: int = 3
     save_every: int = 1000
     seed: int = 0
+    objective: str = "peagle"
+    segments: int = 1
 
     def __post_init__(self):
         checks = [
@@ -57,6 +62,9 @@ class TrainConfig:
             ("compute_dtype", self.compute_dtype in COMPUTE_DTYPES, f"must be one of {', '.join(COMPUTE_DTYPES)}"),
             ("keep_last", self.keep_last >= 1, "must be >= 1"),
             ("save_every", self.save_every >= 1, "must be >= 1"),
+            ("objective", self.objective in OBJECTIVES, f"must be one of {', '.join(OBJECTIVES)}"),
+            ("segments", self.segments >= 1, "must be >= 1"),
+            ("segments", self.segments == 1 or self.objective == "peagle", "partitioning is for the peagle objective"),
         ]
         for key, ok, why in checks:
             if not ok:
@@ -104,18 +112,49 @@ def _coerce(cls, key: str, value: Any, kind: type) -> Any:
 
 
 def config_from_dict(cls, d: dict[str, Any]):
-    """An instance of the dataclass ``cls`` from a flat dict; unknown keys and bad values raise ConfigError."""
+    """An instance of the dataclass ``cls`` from a dict; a field whose type is itself a config dataclass takes a
+    nested mapping (a YAML section). Unknown keys and bad values raise ConfigError naming the key."""
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - fields)
     if unknown:
         known = ", ".join(sorted(fields))
         raise ConfigError(f"{cls.__name__}: unknown key(s) {', '.join(unknown)}; known keys: {known}")
-    return cls(**{k: _coerce(cls, k, v, hints[k]) for k, v in d.items()})
+    values = {}
+    for k, v in d.items():
+        if dataclasses.is_dataclass(hints[k]):
+            if not isinstance(v, dict):
+                raise ConfigError(f"{cls.__name__}: {k} expects a mapping of key: value, got {v!r}")
+            values[k] = config_from_dict(hints[k], v)
+        else:
+            values[k] = _coerce(cls, k, v, hints[k])
+    return cls(**values)
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """``{"optim.lr": 1}`` -> ``{"optim": {"lr": 1}}``."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        *path, last = key.split(".")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {key}: {part} is not a section")
+        node[last] = value
+    return out
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """``["lr=1e-4", "seed=3"]`` -> ``{"lr": 1e-4, "seed": 3}``; values are parsed as YAML scalars."""
+    """``["lr=1e-4", "optim.seed=3"]`` -> ``{"lr": 1e-4, "optim": {"seed": 3}}``; values are parsed as YAML
+    scalars, dotted keys address sections."""
     out: dict[str, Any] = {}
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -126,7 +165,7 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
             out[key] = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: cannot parse the value ({e})") from None
-    return out
+    return _nest(out)
 
 
 def load_config(path: str | Path | None, overrides=(), cls=TrainConfig):
@@ -144,5 +183,5 @@ def load_config(path: str | Path | None, overrides=(), cls=TrainConfig):
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: expected a mapping of key: value, got {type(loaded).__name__}")
         d.update(loaded)
-    d.update(parse_overrides(list(overrides)))
+    d = _merge(d, parse_overrides(list(overrides)))
     return config_from_dict(cls, d)

@@ -33,6 +33,8 @@ import orbax.checkpoint as ocp
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.train.config import TrainConfig
 from peagle_jax.train.objective import PEagleBatch, peagle_loss, split_trainable
+from peagle_jax.train.partition import partitioned_loss_and_grad
+from peagle_jax.train.ttt import ttt_loss
 
 
 class TrainState(NamedTuple):
@@ -99,8 +101,37 @@ def compute_config(cfg: DrafterConfig, tcfg: TrainConfig) -> DrafterConfig:
     return cfg.replace(layer=dataclasses.replace(cfg.layer, dtype=tcfg.compute_dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "tcfg", "num_depths"), donate_argnums=(0,))
-def train_step(
+def loss_and_grad(trainable, frozen, batch, target_head_UD, embed_VD, *, cfg, tcfg, num_depths):
+    """``((loss, metrics), grads)`` of the configured objective with respect to ``trainable``."""
+    ccfg = compute_config(cfg, tcfg)
+    dtype = ccfg.layer.jnp_dtype
+
+    def cast(params):
+        return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+    if tcfg.segments > 1:
+        return partitioned_loss_and_grad(
+            trainable,
+            frozen,
+            batch,
+            target_head_UD,
+            embed_VD,
+            cfg=ccfg,
+            num_depths=num_depths,
+            segments=tcfg.segments,
+            cast=cast,
+        )
+    objective = ttt_loss if tcfg.objective == "eagle3" else peagle_loss
+
+    def loss_fn(trainable):
+        return objective(
+            cast({**trainable, **frozen}), batch, target_head_UD, embed_VD, cfg=ccfg, num_depths=num_depths
+        )
+
+    return jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+
+
+def train_step_fn(
     state: TrainState,
     batch: PEagleBatch,
     target_head_UD,
@@ -112,17 +143,12 @@ def train_step(
 ):
     """One optimizer step; returns ``(state, metrics)``. Metrics: ``loss``, ``grad_norm`` (before
     clipping), ``lr`` (the rate this step used) and the objective's ``loss_sum_K`` / ``correct_K`` /
-    ``count_K``. ``state`` is donated."""
+    ``count_K``. Unjitted: :data:`train_step` is its jitted form, :func:`peagle_jax.train.mesh` jits it
+    with shardings."""
     trainable, frozen = partition(state.params, cfg)
-    ccfg = compute_config(cfg, tcfg)
-    dtype = ccfg.layer.jnp_dtype
-
-    def loss_fn(trainable):
-        params = {**trainable, **frozen}
-        params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-        return peagle_loss(params, batch, target_head_UD, embed_VD, cfg=ccfg, num_depths=num_depths)
-
-    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+    (_, metrics), grads = loss_and_grad(
+        trainable, frozen, batch, target_head_UD, embed_VD, cfg=cfg, tcfg=tcfg, num_depths=num_depths
+    )
     grads = _to_fp32(grads)
     updates, opt_state = make_optimizer(tcfg).update(grads, state.opt_state, trainable)
     trainable = optax.apply_updates(trainable, updates)
@@ -130,6 +156,20 @@ def train_step(
     rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
     new = TrainState({**trainable, **frozen}, opt_state, state.step + 1, rng, state.data_pos + 1)
     return new, metrics
+
+
+STEP_STATICS = ("cfg", "tcfg", "num_depths")
+train_step = jax.jit(train_step_fn, static_argnames=STEP_STATICS, donate_argnums=(0,))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "tcfg", "num_depths"))
+def eval_step(params, batch: PEagleBatch, target_head_UD, embed_VD=None, *, cfg, tcfg, num_depths):
+    """The objective's metrics on a batch, no update (held-out evaluation)."""
+    trainable, frozen = partition(params, cfg)
+    ccfg = compute_config(cfg, tcfg)
+    objective = ttt_loss if tcfg.objective == "eagle3" else peagle_loss
+    _, metrics = objective({**trainable, **frozen}, batch, target_head_UD, embed_VD, cfg=ccfg, num_depths=num_depths)
+    return metrics
 
 
 # --- metrics ------------------------------------------------------------------------------------------------

@@ -106,7 +106,17 @@ def kl_per_element(draft_logits_BEU, target_logits_BEU):
     return jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
 
 
-def peagle_loss(params, batch: PEagleBatch, target_head_UD, embed_VD=None, *, cfg: DrafterConfig, num_depths: int):
+def peagle_loss(
+    params,
+    batch: PEagleBatch,
+    target_head_UD,
+    embed_VD=None,
+    *,
+    cfg: DrafterConfig,
+    num_depths: int,
+    owned_BE=None,
+    total_weight=None,
+):
     """P-EAGLE training loss and metrics; pure, static-shaped, jittable and differentiable in ``params``.
 
     ``target_head_UD``: the target's lm_head rows of the draft vocab ``[U, Ht]``; ``embed_VD``: the target's
@@ -116,6 +126,10 @@ def peagle_loss(params, batch: PEagleBatch, target_head_UD, embed_VD=None, *, cf
     - ``loss_sum_K`` [K]: sum of the weighted per-element KL per depth (``sum / count`` is the depth loss);
     - ``correct_K`` [K]: elements whose draft argmax equals the target argmax (over the draft vocab);
     - ``count_K`` [K]: loss-weighted elements per depth (depths >= K are in the loss but not the metrics).
+
+    Sequence partitioning (:mod:`peagle_jax.train.partition`) passes ``owned_BE`` (the elements whose loss
+    this call counts; the others are context only) and ``total_weight`` (the whole batch's weight, so that
+    the partial losses add up to the whole loss).
     """
     B, E = batch.anchor_BE.shape
     tokens_BE, g_BED, pos_BE = element_inputs(params, batch, cfg=cfg)
@@ -133,15 +147,30 @@ def peagle_loss(params, batch: PEagleBatch, target_head_UD, embed_VD=None, *, cf
     )
     t_BEU = target_logits(target_head_UD, _take(batch.target_hidden_BTD, pos_BE))
     kl_BE = kl_per_element(out.logits, t_BEU)
-    w_BE = (batch.valid_BE & (_take(batch.loss_mask_BT, pos_BE) != 0)).astype(jnp.float32)
-    loss = jnp.sum(w_BE * kl_BE) / jnp.maximum(jnp.sum(w_BE), 1.0)
+    w_BE = loss_weights(batch, pos_BE)
+    if owned_BE is not None:
+        w_BE = w_BE * owned_BE.astype(jnp.float32)
+    total = jnp.sum(w_BE) if total_weight is None else total_weight
+    loss = jnp.sum(w_BE * kl_BE) / jnp.maximum(total, 1.0)
 
-    depth_BEK = jax.nn.one_hot(batch.depth_BE, num_depths, dtype=jnp.float32) * w_BE[:, :, None]
-    correct_BE = (ops.argmax_first(out.logits, axis=-1) == ops.argmax_first(t_BEU, axis=-1)).astype(jnp.float32)
-    metrics = {
+    return loss, depth_metrics(loss, kl_BE, out.logits, t_BEU, w_BE, batch.depth_BE, num_depths)
+
+
+def loss_weights(batch: PEagleBatch, pos_BE):
+    """``valid * loss_mask[position]`` per element, and 0 for an element anchored at a padding position
+    (it attends to nothing, so its output is meaningless): fp32 [B, E]."""
+    T = batch.document_ids_BT.shape[1]
+    anchored_BE = _take(batch.document_ids_BT, jnp.clip(batch.anchor_BE, 0, T - 1)) != -1
+    return (batch.valid_BE & anchored_BE & (_take(batch.loss_mask_BT, pos_BE) != 0)).astype(jnp.float32)
+
+
+def depth_metrics(loss, kl_BE, draft_logits_BEU, target_logits_BEU, w_BE, depth_BE, num_depths: int) -> dict:
+    """The metrics dict of :func:`peagle_loss` (sums and counts per depth); shared by every objective."""
+    depth_BEK = jax.nn.one_hot(depth_BE, num_depths, dtype=jnp.float32) * w_BE[:, :, None]
+    correct_BE = ops.argmax_first(draft_logits_BEU, axis=-1) == ops.argmax_first(target_logits_BEU, axis=-1)
+    return {
         "loss": loss,
         "loss_sum_K": jnp.einsum("BE,BEK->K", jax.lax.stop_gradient(kl_BE), depth_BEK),
-        "correct_K": jnp.einsum("BE,BEK->K", correct_BE, depth_BEK),
+        "correct_K": jnp.einsum("BE,BEK->K", correct_BE.astype(jnp.float32), depth_BEK),
         "count_K": jnp.sum(depth_BEK, axis=(0, 1)),
     }
-    return loss, metrics

@@ -1,0 +1,135 @@
+"""The target's hidden states for training: computed online each step, or once into an on-disk cache.
+
+:func:`target_features` runs the target over packed rows (a block-diagonal causal mask keeps conversations
+apart, RoPE positions restart per conversation) and returns the training-aligned ``aux`` [R, T, A*Ht] and
+``target_hidden`` [R, T, Ht] (the final normed state of the *next* slot, zero at a conversation's last slot;
+see :mod:`peagle_jax.train.pack`), cast to the storage dtype. The online source calls it for each batch;
+the cache stores its output for every row. Both go through this one jitted function on the same rows, so
+they give the same batches bit for bit (tested).
+
+Cache layout: ``DIR/features.json`` (shapes, dtype, rows per chunk, a digest of the rows) and per chunk of
+rows ``aux-{i:05d}.npy`` / ``hidden-{i:05d}.npy``; bfloat16 is stored as its uint16 bits. Each chunk is
+written to a temporary name and renamed, so an interrupted build resumes with the first missing chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from peagle_jax import model
+from peagle_jax.config import ModelConfig
+from peagle_jax.train.pack import PackedRows
+from peagle_jax.train.prompts import DataError
+
+STORAGE_DTYPES = ("float32", "bfloat16")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
+def target_features(params, tokens_RT, positions_RT, document_RT, *, cfg: ModelConfig, dtype: str):
+    """``(aux [R, T, A*Ht], target_hidden [R, T, Ht])`` of packed rows, in ``dtype``."""
+    R, T = tokens_RT.shape
+    t_T = jnp.arange(T, dtype=jnp.int32)
+    same_RTT = document_RT[:, :, None] == document_RT[:, None, :]
+    causal_TT = t_T[:, None] >= t_T[None, :]
+    mask_RTT = (same_RTT & causal_TT[None]) | jnp.eye(T, dtype=bool)[None]  # padding slots see themselves
+    out, _ = model.forward(
+        params,
+        model.new_cache(cfg, R, T),
+        tokens_RT,
+        jnp.zeros((R,), jnp.int32),
+        cfg=cfg,
+        mask_BTT=mask_RTT,
+        positions_BT=positions_RT,
+        logits_at_BM=jnp.zeros((R, 1), jnp.int32),  # the LM head is not needed: one row keeps it cheap
+    )
+    next_same_RT = jnp.concatenate([document_RT[:, 1:] == document_RT[:, :-1], jnp.zeros((R, 1), bool)], axis=1)
+    hidden_next_RTD = jnp.concatenate([out.hidden[:, 1:], jnp.zeros_like(out.hidden[:, :1])], axis=1)
+    hidden_next_RTD = jnp.where((next_same_RT & (document_RT >= 0))[:, :, None], hidden_next_RTD, 0)
+    return out.aux.astype(dtype), hidden_next_RTD.astype(dtype)
+
+
+def rows_digest(rows: PackedRows) -> str:
+    h = hashlib.sha256()
+    for a in rows:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()[:16]
+
+
+def _to_disk(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint16) if a.dtype == jnp.bfloat16 else a
+
+
+def _from_disk(a: np.ndarray, dtype: str) -> np.ndarray:
+    return a.view(jnp.bfloat16) if dtype == "bfloat16" else a
+
+
+class FeatureCache:
+    """Read access to a built cache; ``rows(idx)`` -> (aux, hidden) numpy arrays for those row ids."""
+
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory)
+        try:
+            self.meta = json.loads((self.dir / "features.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            raise DataError(f"{self.dir} is not a feature cache (no readable features.json)") from None
+        self.chunk = self.meta["chunk_rows"]
+        self._open: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _chunk(self, i: int):
+        if i not in self._open:
+            dtype = self.meta["dtype"]
+            aux = np.load(self.dir / f"aux-{i:05d}.npy", mmap_mode="r")
+            hidden = np.load(self.dir / f"hidden-{i:05d}.npy", mmap_mode="r")
+            self._open[i] = (_from_disk(aux, dtype), _from_disk(hidden, dtype))
+        return self._open[i]
+
+    def rows(self, idx) -> tuple[np.ndarray, np.ndarray]:
+        parts = [self._chunk(int(r) // self.chunk) for r in idx]
+        aux = np.stack([p[0][int(r) % self.chunk] for p, r in zip(parts, idx, strict=True)])
+        hidden = np.stack([p[1][int(r) % self.chunk] for p, r in zip(parts, idx, strict=True)])
+        return aux, hidden
+
+
+def build_cache(
+    params, cfg: ModelConfig, rows: PackedRows, directory: str | Path, *, dtype: str, chunk_rows: int = 8, progress=True
+) -> FeatureCache:
+    """Compute and store the features of every row (resumable); returns the cache."""
+    if dtype not in STORAGE_DTYPES:
+        raise DataError(f"feature dtype {dtype!r}: expected one of {', '.join(STORAGE_DTYPES)}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    R = rows.tokens.shape[0]
+    meta = {"rows": R, "seq_len": int(rows.tokens.shape[1]), "dtype": dtype, "chunk_rows": chunk_rows}
+    meta["rows_digest"] = rows_digest(rows)
+    meta_path = directory / "features.json"
+    if meta_path.exists():
+        have = json.loads(meta_path.read_text())
+        if have != meta:
+            raise DataError(f"{directory} caches features of other rows or settings; use a new directory")
+    else:
+        meta_path.write_text(json.dumps(meta, indent=1))
+    chunks = -(-R // chunk_rows)
+    for i in tqdm(range(chunks), desc="target features", unit="chunk", disable=not progress):
+        if (directory / f"hidden-{i:05d}.npy").exists():
+            continue
+        sl = slice(i * chunk_rows, min((i + 1) * chunk_rows, R))
+        n = sl.stop - sl.start
+        # Pad the last chunk to the full chunk so that one graph serves every chunk.
+        take = np.minimum(np.arange(sl.start, sl.start + chunk_rows), R - 1)
+        aux, hidden = target_features(
+            params, rows.tokens[take], rows.positions[take], rows.document[take], cfg=cfg, dtype=dtype
+        )
+        for name, arr in (("aux", aux), ("hidden", hidden)):
+            tmp = directory / f"{name}-{i:05d}.tmp.npy"
+            np.save(tmp, _to_disk(np.asarray(arr)[:n]))
+            os.replace(tmp, directory / f"{name}-{i:05d}.npy")
+    return FeatureCache(directory)

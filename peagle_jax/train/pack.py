@@ -1,0 +1,106 @@
+"""Packing regenerated conversations into fixed-shape rows, and the EAGLE-shifted training layout.
+
+A conversation is ``x = prompt_ids + response_ids`` (n tokens) with ``response[i]`` = 1 on the tokens the
+target generated: the chat template's assistant turn, so the loss covers assistant tokens only. Several
+conversations are packed first-fit-decreasing into rows of T slots (``document`` = the conversation's index
+in the row, -1 for padding; RoPE ``positions`` restart at 0 per conversation). A conversation longer than T
+is cut to its first T tokens. The packing is fixed once; epochs shuffle the order of rows.
+
+Training layout of a packed row (what :class:`peagle_jax.train.objective.PEagleBatch` holds), for slot r of a
+conversation: ``tokens[r] = x[r+1]``, ``aux[r]`` = the target's aux states at r, ``target_hidden[r]`` = its
+final normed state at r+1 (whose logits give the distribution of x[r+2]), ``loss_mask[r] = response[r+1]``
+when r+2 is still inside the conversation, else 0 (the distribution after the last token is never
+drafted), and ``document_ids[r]`` = the conversation, or -1 at its last slot (it has no next token; as
+padding it is seen by no query). So element r pairs x[r+1] with g[r] and learns the target's distribution of
+x[r+2]: the EAGLE shift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+
+class PackedRows(NamedTuple):
+    """Target inputs of R packed rows of T slots: ``tokens``, ``positions``, ``document`` (int32) and
+    ``response`` (0/1), each [R, T]."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    document: np.ndarray
+    response: np.ndarray
+
+
+def conversation(record: dict) -> tuple[list[int], list[int]]:
+    """``(x, response mask)`` of one regenerated record."""
+    prompt, response = list(record["prompt_ids"]), list(record["response_ids"])
+    return prompt + response, [0] * len(prompt) + [1] * len(response)
+
+
+def pack(conversations: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: int) -> PackedRows:
+    """First-fit-decreasing packing into rows of ``seq_len`` slots (deterministic: ties keep input order).
+    Conversations of fewer than 3 tokens carry no training signal and are dropped."""
+    items = [(list(x)[:seq_len], list(m)[:seq_len]) for x, m in conversations if len(x) >= 3]
+    order = sorted(range(len(items)), key=lambda i: -len(items[i][0]))
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        n = len(items[i][0])
+        for r, f in enumerate(free):
+            if f >= n:
+                rows[r].append(i)
+                free[r] -= n
+                break
+        else:
+            rows.append([i])
+            free.append(seq_len - n)
+    R = len(rows)
+    out = PackedRows(
+        np.zeros((R, seq_len), np.int32),
+        np.zeros((R, seq_len), np.int32),
+        np.full((R, seq_len), -1, np.int32),
+        np.zeros((R, seq_len), np.int32),
+    )
+    for r, members in enumerate(rows):
+        at = 0
+        for d, i in enumerate(members):
+            x, m = items[i]
+            n = len(x)
+            out.tokens[r, at : at + n] = x
+            out.positions[r, at : at + n] = np.arange(n)
+            out.document[r, at : at + n] = d
+            out.response[r, at : at + n] = m
+            at += n
+    return out
+
+
+def _next(a_RT: np.ndarray, k: int, fill) -> np.ndarray:
+    """``a[:, r + k]``, ``fill`` past the end."""
+    out = np.full_like(a_RT, fill)
+    out[:, : a_RT.shape[1] - k] = a_RT[:, k:]
+    return out
+
+
+def training_layout(rows: PackedRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(tokens, loss_mask, document_ids)`` [R, T] of the training layout (module docstring)."""
+    doc = rows.document
+    same1 = (_next(doc, 1, -1) == doc) & (doc >= 0)
+    same2 = (_next(doc, 2, -1) == doc) & (doc >= 0)
+    tokens = np.where(same1, _next(rows.tokens, 1, 0), 0).astype(np.int32)
+    loss_mask = (same2 & (_next(rows.response, 1, 0) != 0)).astype(np.int32)
+    document_ids = np.where(same1, doc, -1).astype(np.int32)
+    return tokens, loss_mask, document_ids
+
+
+def packing_stats(rows: PackedRows) -> dict:
+    """Rows, conversations, filled fraction and loss tokens: for the run's log."""
+    docs = int(sum(len(np.unique(d[d >= 0])) for d in rows.document))
+    _, loss_mask, _ = training_layout(rows)
+    return {
+        "rows": int(rows.tokens.shape[0]),
+        "conversations": docs,
+        "fill": float((rows.document >= 0).mean()) if rows.tokens.size else 0.0,
+        "loss_tokens": int(loss_mask.sum()),
+    }
