@@ -94,6 +94,7 @@ def regenerate(
     slots); row i's sampling seed is ``seed + index`` so a shard's content does not depend on batching.
     """
     out_dir = Path(out_dir)
+    prompt_ids = [[int(t) for t in p] for p in prompt_ids]
     settings = RegenSettings(
         prompts_digest(prompt_ids), max_prompt_tokens, max_new_tokens, float(temperature), seed, shard_size
     )

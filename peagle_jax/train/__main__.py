@@ -1,0 +1,3 @@
+from peagle_jax.train.cli import main
+
+main()

@@ -1,0 +1,327 @@
+"""The whole training pipeline behind ``train/train.py``: prompts -> regeneration -> vocabulary -> packing ->
+features -> training (sharded, checkpointed, evaluated) -> export in the speculators (or EAGLE) format.
+
+Everything lands under one output directory, and every stage resumes: running the same command again
+skips finished regeneration shards and feature chunks and continues training from the latest checkpoint
+(exactly, see :mod:`peagle_jax.train.loop`)::
+
+    DIR/run.json          the recipe as run          DIR/regen/       regenerated shards
+    DIR/vocab.json        draft vocabulary + stats   DIR/features/    cached target features
+    DIR/checkpoints/      orbax states               DIR/metrics.jsonl, DIR/eval.jsonl, DIR/tb/
+    DIR/drafter/          the exported drafter (what ``generate --drafter`` loads)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from peagle_jax.config import ModelConfig
+from peagle_jax.drafter.config import DrafterConfig
+from peagle_jax.drafter.load import save_drafter
+from peagle_jax.drafter.model import init_drafter_params
+from peagle_jax.engine import Generator
+from peagle_jax.train import mesh as meshlib
+from peagle_jax.train.data import TrainData, split_rows
+from peagle_jax.train.features import build_cache
+from peagle_jax.train.loop import (
+    append_jsonl,
+    checkpoint_manager,
+    eval_step,
+    init_train_state,
+    restore_state,
+    save_state,
+    summarize,
+)
+from peagle_jax.train.pack import conversation, pack, packing_stats
+from peagle_jax.train.prompts import DataError, load_prompts
+from peagle_jax.train.recipe import Recipe, recipe_dict
+from peagle_jax.train.regen import chat_prompt_ids, read_shards, regenerate
+from peagle_jax.train.vocab import coverage, draft_vocab, token_counts, unused_token_id
+
+
+def load_target(recipe: Recipe):
+    """``(cfg, params, tokenizer, source)`` of the recipe's target."""
+    from transformers import AutoTokenizer
+
+    from peagle_jax.checkpoint import load_target_any
+    from peagle_jax.gguf_loader import default_model_dir
+
+    t = recipe.target
+
+    def resolve(name):
+        return str(default_model_dir()) if name == "smollm2" else name
+
+    tok_dir = resolve(t.tokenizer or (t.model if t.model != "random" else "smollm2"))
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    if not tokenizer.chat_template:
+        raise DataError(f"the tokenizer of {tok_dir} has no chat template; training prompts need one")
+    if t.model == "random":
+        eos = tuple(i for i in [tokenizer.eos_token_id] if i is not None)
+        cfg = ModelConfig(
+            family="llama",
+            vocab_size=len(tokenizer),
+            hidden_size=t.hidden_size,
+            intermediate_size=t.intermediate_size,
+            num_layers=t.num_layers,
+            num_heads=t.num_heads,
+            num_kv_heads=t.num_kv_heads,
+            head_dim=t.hidden_size // t.num_heads,
+            tie_word_embeddings=True,
+            eos_token_ids=eos,
+            max_position_embeddings=t.max_seq_len,
+        )
+        from peagle_jax.model import init_params
+
+        return cfg, init_params(cfg, jax.random.key(t.seed)), tokenizer, "random"
+    cfg, params = load_target_any(resolve(t.model))
+    return cfg, params, tokenizer, resolve(t.model)
+
+
+def save_random_target(cfg: ModelConfig, params, tokenizer, path: Path) -> None:
+    """Write the random target as a Hugging Face directory (with the tokenizer), so that the exported
+    drafter can be run against it: ``generate --model DIR/target --drafter DIR/drafter``."""
+    from peagle_jax.config import to_hf_config
+    from peagle_jax.weights import params_to_hf, write_safetensors
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=1))
+    write_safetensors(path, params_to_hf(params, cfg))
+    tokenizer.save_pretrained(str(path))
+
+
+def target_head(params) -> jnp.ndarray:
+    """The target's LM head [V, Ht] (its embedding when tied)."""
+    return params["lm_head"]["weight"] if "lm_head" in params else params["embed_tokens"]
+
+
+def build_drafter(recipe: Recipe, tcfg, cfg: ModelConfig, params, used, d2t, t2d, mask_id, source: str):
+    """Drafter config and initial params: the target's width and attention shape, its LM head rows of the
+    draft vocabulary, the vocab maps."""
+    d = recipe.drafter
+    layer = dataclasses.replace(cfg, num_layers=d.num_layers, aux_layer_ids=(), eos_token_ids=cfg.eos_token_ids)
+    dcfg = DrafterConfig(
+        layer=layer,
+        algorithm=tcfg.objective,
+        draft_vocab_size=len(used),
+        target_hidden_size=cfg.hidden_size,
+        aux_layer_ids=cfg.aux_layer_ids,
+        mask_token_id=mask_id if tcfg.objective == "peagle" else None,
+        own_embedding=not d.share_embedding,
+        embed_requires_grad=not d.share_embedding,
+        speculative_tokens=d.speculative_tokens,
+        verifier_name_or_path=source,
+    )
+    dparams = init_drafter_params(dcfg, jax.random.key(d.seed))
+    dparams["lm_head"]["weight"] = jnp.asarray(target_head(params))[jnp.asarray(used)]
+    if not d.share_embedding:
+        dparams["embed_tokens"] = jnp.array(params["embed_tokens"], copy=True)
+    if dcfg.has_vocab_map:
+        dparams["d2t"], dparams["t2d"] = jnp.asarray(d2t), jnp.asarray(t2d)
+    return dcfg, dparams
+
+
+def regenerated_records(recipe: Recipe, out: Path, cfg, params, tokenizer, log) -> list[dict]:
+    dc = recipe.data
+    prompts = load_prompts(dc.prompts, dc.max_prompts or None)
+    log(f"prompts: {len(prompts)} from {dc.prompts}")
+    prompt_ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
+    gen = Generator(cfg, params, max_seq_len=dc.max_prompt_tokens + dc.max_new_tokens)
+    stops = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    shards = regenerate(
+        gen,
+        prompt_ids,
+        out / "regen",
+        max_prompt_tokens=dc.max_prompt_tokens,
+        max_new_tokens=dc.max_new_tokens,
+        batch=dc.regen_batch,
+        shard_size=dc.shard_size,
+        temperature=dc.temperature,
+        stop_token_ids=sorted(stops),
+        progress=recipe.run.progress,
+    )
+    records = read_shards(shards)
+    log(f"regenerated: {len(records)} responses ({len(prompt_ids) - len(records)} prompts skipped as too long)")
+    if not records:
+        raise DataError("no prompt fits data.max_prompt_tokens; nothing to train on")
+    return records
+
+
+def evaluate(state, data: TrainData, head, embed, *, dcfg, tcfg, K, batches: int, mesh) -> dict:
+    """Per-depth loss and top-1 accuracy over the held-out batches (fixed, so runs are comparable)."""
+    total = None
+    for pos in range(batches):
+        m = eval_step(
+            state.params, meshlib.global_batch(data.batch_at(pos), mesh), head, embed, cfg=dcfg, tcfg=tcfg, num_depths=K
+        )
+        total = m if total is None else jax.tree.map(jnp.add, total, m)
+    record = summarize(total, int(state.step))
+    count = sum(record["count_K"])
+    record["loss"] = sum(
+        x * c for x, c in zip(record["loss_K"], record["count_K"], strict=True) if x is not None
+    ) / max(count, 1)
+    return record
+
+
+def run(recipe: Recipe, output: str | Path, *, log=print) -> dict:
+    """Run (or resume) the whole pipeline into ``output``; returns a summary dict."""
+    t_start = time.perf_counter()
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    meshlib.initialize(recipe.mesh.distributed)
+    (out / "run.json").write_text(json.dumps(recipe_dict(recipe), indent=1))
+    bc, tcfg, K = recipe.batch, recipe.optim, recipe.batch.num_depths
+    mesh = meshlib.make_mesh(recipe.mesh.data, recipe.mesh.fsdp)
+    meshlib.check_batch_size(bc.batch_size, mesh)
+
+    cfg, params, tokenizer, source = load_target(recipe)
+    if source == "random":
+        source = str((out / "target").absolute())
+        save_random_target(cfg, params, tokenizer, out / "target")
+    log(f"target: {source} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size})")
+    records = regenerated_records(recipe, out, cfg, params, tokenizer, log)
+
+    rows = pack([conversation(r) for r in records], bc.seq_len)
+    stats = packing_stats(rows)
+    log(
+        f"packed: {stats['conversations']} conversations into {stats['rows']} rows of {bc.seq_len}, "
+        f"{stats['fill']:.0%} filled, {stats['loss_tokens']} loss tokens"
+    )
+    counts = token_counts((r["response_ids"] for r in records), cfg.vocab_size)
+    used, d2t, t2d = draft_vocab(counts, recipe.drafter.draft_vocab_size or cfg.vocab_size)
+    mask_id = recipe.drafter.mask_token_id
+    if mask_id < 0:
+        mask_id = unused_token_id(
+            token_counts((r["prompt_ids"] + r["response_ids"] for r in records), cfg.vocab_size), cfg.eos_token_ids
+        )
+    cover = coverage(counts, used)
+    (out / "vocab.json").write_text(
+        json.dumps({"draft_vocab_size": len(used), "coverage": cover, "mask_token_id": mask_id, **stats}, indent=1)
+    )
+    log(f"draft vocab: {len(used)} ids cover {cover:.2%} of response tokens; mask token {mask_id}")
+
+    dcfg, dparams = build_drafter(recipe, tcfg, cfg, params, used, d2t, t2d, mask_id, source)
+    head = jnp.asarray(target_head(params))[jnp.asarray(used)]
+    embed = None if dcfg.own_embedding else jnp.asarray(params["embed_tokens"])
+
+    train_ids, eval_ids = split_rows(stats["rows"], recipe.run.eval_fraction, tcfg.seed)
+    common = dict(
+        batch_size=bc.batch_size,
+        num_depths=K,
+        cod_ratio=bc.cod_ratio,
+        cod_ratio_min=bc.cod_ratio_min,
+        max_anchors=bc.max_anchors or None,
+        feature_dtype=bc.feature_dtype,
+    )
+    if bc.features == "cached":
+        source_kw = dict(
+            features=build_cache(
+                params,
+                cfg,
+                rows,
+                out / "features",
+                dtype=bc.feature_dtype,
+                chunk_rows=bc.batch_size,
+                progress=recipe.run.progress,
+            )
+        )
+    else:
+        source_kw = dict(target=(params, cfg))
+    train = TrainData(rows, train_ids, seed=tcfg.seed, **common, **source_kw)
+    held = TrainData(rows, eval_ids, seed=tcfg.seed + 1, **common, **source_kw) if len(eval_ids) else None
+
+    state = init_train_state(dparams, dcfg, tcfg)
+    shardings = meshlib.state_shardings(state, mesh)
+    manager = checkpoint_manager(out / "checkpoints", tcfg)
+    if manager.latest_step() is not None:
+        state = restore_state(manager, meshlib.place(state, shardings))
+        log(f"resumed from step {int(state.step)}")
+    state = meshlib.place(state, shardings)
+    rep = meshlib.replicated(mesh)
+    head, embed = jax.device_put(head, rep), (None if embed is None else jax.device_put(embed, rep))
+    step_fn = meshlib.sharded_train_step(mesh, shardings, cfg=dcfg, tcfg=tcfg, num_depths=K)
+    writer = _tensorboard(out / "tb") if recipe.run.tensorboard else None
+
+    first = int(state.step)
+    bar = tqdm(total=tcfg.total_steps, initial=first, desc="train", unit="step", disable=not recipe.run.progress)
+    t_train, tokens = time.perf_counter(), 0
+    record = eval_record = None
+    for step in range(first, tcfg.total_steps):
+        batch = train.batch_at(int(state.data_pos))
+        state, metrics = step_fn(state, meshlib.global_batch(batch, mesh), head, embed)
+        tokens += int(np.asarray(batch.loss_mask_BT).sum())
+        record = summarize(metrics, step)
+        append_jsonl(out / "metrics.jsonl", record)
+        _log_tb(writer, "train", record, step)
+        if step % recipe.run.log_every == 0:
+            bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=_fmt(record["acc_K"][0]))
+        save_state(manager, state)
+        last = step + 1 == tcfg.total_steps
+        if held is not None and ((step + 1) % recipe.run.eval_every == 0 or last):
+            eval_record = evaluate(
+                state,
+                held,
+                head,
+                embed,
+                dcfg=dcfg,
+                tcfg=tcfg,
+                K=K,
+                batches=min(recipe.run.eval_batches, held.steps_per_epoch),
+                mesh=mesh,
+            )
+            append_jsonl(out / "eval.jsonl", eval_record)
+            _log_tb(writer, "eval", eval_record, step + 1)
+        bar.update(1)
+    bar.close()
+    train_s = time.perf_counter() - t_train
+    save_state(manager, state, force=manager.latest_step() != int(state.step))
+    manager.wait_until_finished()
+    if writer is not None:
+        writer.close()
+
+    export = out / "drafter"
+    final = jax.tree.map(np.asarray, jax.device_get(state.params))
+    save_drafter(export, dcfg, final, layout=recipe.run.export_layout)
+    summary = {
+        "steps": int(state.step),
+        "trained_steps_this_run": int(state.step) - first,
+        "train_s": train_s,
+        "loss_tokens_per_s": tokens / train_s if train_s > 0 and tokens else None,
+        "last_train": record,
+        "last_eval": eval_record,
+        "drafter": str(export),
+        "wall_s": time.perf_counter() - t_start,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    log(f"exported {tcfg.objective} drafter to {export}")
+    return summary
+
+
+def _fmt(x):
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _tensorboard(path: Path):
+    from tensorboardX import SummaryWriter
+
+    return SummaryWriter(str(path))
+
+
+def _log_tb(writer, prefix: str, record: dict, step: int) -> None:
+    if writer is None:
+        return
+    writer.add_scalar(f"{prefix}/loss", record["loss"], step)
+    for key in ("grad_norm", "lr"):
+        if key in record:
+            writer.add_scalar(f"{prefix}/{key}", record[key], step)
+    for d, (loss, acc) in enumerate(zip(record["loss_K"], record["acc_K"], strict=True)):
+        if acc is not None:
+            writer.add_scalar(f"{prefix}/acc_depth{d}", acc, step)
+            writer.add_scalar(f"{prefix}/loss_depth{d}", loss, step)

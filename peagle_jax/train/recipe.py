@@ -1,0 +1,179 @@
+"""The training recipe: every setting of ``train/train.py``, as YAML sections with ``key=value`` overrides.
+
+One file describes a whole run (see ``train/configs/*.yaml``); each field is documented here and in
+``train/README.md``. Sections: ``data`` (prompts and regeneration), ``target`` (the model to draft for),
+``drafter`` (architecture and vocabulary), ``batch`` (packing, COD, feature source), ``optim``
+(:class:`peagle_jax.train.config.TrainConfig`), ``mesh`` (devices), ``run`` (steps, evaluation, logs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from peagle_jax.config import ConfigError
+from peagle_jax.train.config import TrainConfig, load_config
+
+
+def _check(section: str, checks) -> None:
+    for key, ok, why in checks:
+        if not ok:
+            raise ConfigError(f"{section}.{key} {why}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """``prompts``: ``sharegpt`` (pinned PyPI asset) or a .jsonl / .json file of conversations;
+    ``max_prompts`` 0 = all; the target regenerates up to ``max_new_tokens`` per prompt (greedy at
+    ``temperature`` 0), ``regen_batch`` prompts at a time, ``shard_size`` prompts per resumable shard;
+    prompts longer than ``max_prompt_tokens`` are skipped (counted in the log)."""
+
+    prompts: str = "sharegpt"
+    max_prompts: int = 0
+    max_prompt_tokens: int = 512
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    regen_batch: int = 8
+    shard_size: int = 64
+
+    def __post_init__(self):
+        _check(
+            "data",
+            [
+                ("max_prompts", self.max_prompts >= 0, "must be >= 0"),
+                ("max_prompt_tokens", self.max_prompt_tokens >= 1, "must be >= 1"),
+                ("max_new_tokens", self.max_new_tokens >= 1, "must be >= 1"),
+                ("temperature", self.temperature >= 0, "must be >= 0"),
+                ("regen_batch", self.regen_batch >= 1, "must be >= 1"),
+                ("shard_size", self.shard_size >= 1, "must be >= 1"),
+            ],
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    """``model``: ``smollm2`` (embedded default), a Hugging Face or converted directory, or ``random``: a
+    random Llama of the given shape (smoke tests), with the tokenizer of ``tokenizer`` (``smollm2`` or a
+    directory; default: the model's own)."""
+
+    model: str = "smollm2"
+    tokenizer: str = ""
+    max_seq_len: int = 1024
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterSection:
+    """The drafter's kind follows ``optim.objective`` (``peagle`` or ``eagle3``). ``num_layers`` decoder
+    layers of the target's width; ``draft_vocab_size`` 0 = the full target vocabulary; ``mask_token_id``
+    -1 = the largest id absent from the regenerated data; ``share_embedding``: use the target's (frozen)
+    embedding instead of a copy; ``speculative_tokens``: the K written into the exported config."""
+
+    num_layers: int = 1
+    draft_vocab_size: int = 0
+    mask_token_id: int = -1
+    share_embedding: bool = True
+    speculative_tokens: int = 7
+    seed: int = 0
+
+    def __post_init__(self):
+        _check(
+            "drafter",
+            [
+                ("num_layers", self.num_layers >= 1, "must be >= 1"),
+                ("draft_vocab_size", self.draft_vocab_size >= 0, "must be >= 0"),
+                ("speculative_tokens", self.speculative_tokens >= 1, "must be >= 1"),
+            ],
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchConfig:
+    """Rows of ``seq_len`` slots, ``batch_size`` rows per step, ``num_depths`` (K_train) depths; COD keeps
+    ``max(cod_ratio**d, cod_ratio_min)`` of depth d (``max_anchors`` 0 = all); ``features``: ``online``
+    (the target runs for every batch) or ``cached`` (computed once to disk in ``feature_dtype``)."""
+
+    seq_len: int = 512
+    batch_size: int = 4
+    num_depths: int = 8
+    cod_ratio: float = 0.7
+    cod_ratio_min: float = 0.2
+    max_anchors: int = 0
+    features: str = "cached"
+    feature_dtype: str = "float32"
+
+    def __post_init__(self):
+        _check(
+            "batch",
+            [
+                ("seq_len", self.seq_len >= 4, "must be >= 4"),
+                ("batch_size", self.batch_size >= 1, "must be >= 1"),
+                ("num_depths", self.num_depths >= 1, "must be >= 1"),
+                ("cod_ratio", 0 < self.cod_ratio <= 1, "must be in (0, 1]"),
+                ("cod_ratio_min", 0 <= self.cod_ratio_min <= 1, "must be in [0, 1]"),
+                ("max_anchors", self.max_anchors >= 0, "must be >= 0"),
+                ("features", self.features in ("online", "cached"), "must be online or cached"),
+                ("feature_dtype", self.feature_dtype in ("float32", "bfloat16"), "must be float32 or bfloat16"),
+            ],
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """A (data, fsdp) device mesh; ``data`` -1 = all devices left by ``fsdp``; ``distributed`` calls
+    ``jax.distributed.initialize()`` first (multi-host TPU pods)."""
+
+    data: int = -1
+    fsdp: int = 1
+    distributed: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Held-out ``eval_fraction`` of the rows, evaluated every ``eval_every`` steps on at most
+    ``eval_batches`` batches; a log line every ``log_every`` steps; TensorBoard events when
+    ``tensorboard``; ``export_layout``: ``speculators`` or ``eagle``."""
+
+    eval_fraction: float = 0.05
+    eval_every: int = 100
+    eval_batches: int = 4
+    log_every: int = 10
+    tensorboard: bool = True
+    export_layout: str = "speculators"
+    progress: bool = True
+
+    def __post_init__(self):
+        _check(
+            "run",
+            [
+                ("eval_fraction", 0 <= self.eval_fraction < 1, "must be in [0, 1)"),
+                ("eval_every", self.eval_every >= 1, "must be >= 1"),
+                ("eval_batches", self.eval_batches >= 1, "must be >= 1"),
+                ("log_every", self.log_every >= 1, "must be >= 1"),
+                ("export_layout", self.export_layout in ("speculators", "eagle"), "must be speculators or eagle"),
+            ],
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    data: DataConfig = DataConfig()
+    target: TargetConfig = TargetConfig()
+    drafter: DrafterSection = DrafterSection()
+    batch: BatchConfig = BatchConfig()
+    optim: TrainConfig = TrainConfig()
+    mesh: MeshConfig = MeshConfig()
+    run: RunConfig = RunConfig()
+
+
+def load_recipe(path, overrides=()) -> Recipe:
+    """The recipe at ``path`` (YAML) with ``section.key=value`` overrides."""
+    return load_config(path, overrides, cls=Recipe)
+
+
+def recipe_dict(recipe: Recipe) -> dict:
+    return dataclasses.asdict(recipe)
