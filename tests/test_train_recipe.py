@@ -79,3 +79,8 @@ def test_recipe_sections_and_overrides(tmp_path):
         load_recipe(TINY, ["batch=3"])
     with pytest.raises(ConfigError, match="partitioning is for the peagle objective"):
         load_recipe(TINY, ["optim.objective=eagle3", "optim.segments=2"])
+
+
+@pytest.mark.parametrize("recipe", sorted((ROOT / "train" / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_recipes_load(recipe):
+    load_recipe(recipe)
