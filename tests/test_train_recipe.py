@@ -44,14 +44,28 @@ def test_tiny_recipe_end_to_end_and_resume(tmp_path):
     config = json.loads((out / "drafter" / "config.json").read_text())
     assert config["speculators_model_type"] == "peagle" and config["draft_vocab_size"] == 2048
 
-    # Running again with more steps resumes from the checkpoint instead of starting over.
-    proc = _run(
-        "train/train.py", "--config", str(TINY), "--output", str(out), "optim.total_steps=40", "run.progress=false"
+    # A run stopped after 12 steps and started again continues from its checkpoint to the same state as
+    # the uninterrupted run: the same loss at every step.
+    part = tmp_path / "part"
+    args = (
+        "train/train.py",
+        "--config",
+        str(TINY),
+        "--output",
+        str(part),
+        "optim.total_steps=30",
+        "run.progress=false",
     )
+    proc = _run(*args, "run.stop_after=12")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed from step 30" in proc.stderr
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(40))
+    proc = _run(*args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from step 12" in proc.stderr
+    resumed = [json.loads(line) for line in (part / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == list(range(30))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in records]
+    last_eval = [json.loads((d / "eval.jsonl").read_text().splitlines()[-1]) for d in (part, out)]
+    assert last_eval[0]["loss"] == pytest.approx(last_eval[1]["loss"], rel=1e-6)
 
     # The exported drafter runs in generate against the saved target, losslessly.
     common = ["--model", str(out / "target"), "--chat", "--prompt", "Tell me about JAX.", "--max-new-tokens", "24"]

@@ -253,7 +253,8 @@ def run(recipe: Recipe, output: str | Path, *, log=print) -> dict:
     bar = tqdm(total=tcfg.total_steps, initial=first, desc="train", unit="step", disable=not recipe.run.progress)
     t_train, tokens = time.perf_counter(), 0
     record = eval_record = None
-    for step in range(first, tcfg.total_steps):
+    end = tcfg.total_steps if not recipe.run.stop_after else min(tcfg.total_steps, first + recipe.run.stop_after)
+    for step in range(first, end):
         batch = train.batch_at(int(state.data_pos))
         state, metrics = step_fn(state, meshlib.global_batch(batch, mesh), head, embed)
         tokens += int(np.asarray(batch.loss_mask_BT).sum())
@@ -263,7 +264,7 @@ def run(recipe: Recipe, output: str | Path, *, log=print) -> dict:
         if step % recipe.run.log_every == 0:
             bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=_fmt(record["acc_K"][0]))
         save_state(manager, state)
-        last = step + 1 == tcfg.total_steps
+        last = step + 1 == end
         if held is not None and ((step + 1) % recipe.run.eval_every == 0 or last):
             eval_record = evaluate(
                 state,

@@ -136,7 +136,9 @@ class MeshConfig:
 class RunConfig:
     """Held-out ``eval_fraction`` of the rows, evaluated every ``eval_every`` steps on at most
     ``eval_batches`` batches; a log line every ``log_every`` steps; TensorBoard events when
-    ``tensorboard``; ``export_layout``: ``speculators`` or ``eagle``."""
+    ``tensorboard``; ``export_layout``: ``speculators`` or ``eagle``; ``stop_after`` N > 0 stops this
+    invocation after N steps (checkpointed and exported; the next invocation continues), e.g. for
+    preemptible machines."""
 
     eval_fraction: float = 0.05
     eval_every: int = 100
@@ -145,6 +147,7 @@ class RunConfig:
     tensorboard: bool = True
     export_layout: str = "speculators"
     progress: bool = True
+    stop_after: int = 0
 
     def __post_init__(self):
         _check(
@@ -155,6 +158,7 @@ class RunConfig:
                 ("eval_batches", self.eval_batches >= 1, "must be >= 1"),
                 ("log_every", self.log_every >= 1, "must be >= 1"),
                 ("export_layout", self.export_layout in ("speculators", "eagle"), "must be speculators or eagle"),
+                ("stop_after", self.stop_after >= 0, "must be >= 0"),
             ],
         )
 
