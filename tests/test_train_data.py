@@ -116,12 +116,23 @@ def test_regeneration_resumes_without_loss_or_duplicates(tmp_path):
     assert resumed == whole
     assert [r["index"] for r in whole] == [0, 1, 2, 4, 5, 6]
     skipped = [json.loads(line) for line in (tmp_path / "whole" / "shard-00001.jsonl").read_text().splitlines()]
-    assert skipped[0] == {"index": 3, "skipped": "prompt has 40 > 30 tokens"}
+    assert skipped[1] == {"index": 3, "skipped": "prompt has 40 > 30 tokens"}
     # Each response is the target's own greedy continuation.
     for r in whole:
         assert r["response_ids"] == gen.generate([r["prompt_ids"]], max_new_tokens=6)[0].token_ids
     with pytest.raises(DataError, match="max_new_tokens"):
         regenerate(gen, prompts, tmp_path / "whole", **{**kw, "max_new_tokens": 7})
+
+    # A larger run later: finished shards are kept, the short last one is completed, new ones added.
+    more = prompts + [list(rng.integers(4, 100, n)) for n in (6, 8, 4)]
+    calls["n"] = 0
+    counted = []
+    gen.generate = lambda rows, **k: counted.append(len(rows)) or real(rows, **k)
+    grown = read_shards(regenerate(gen, more, tmp_path / "whole", **kw))
+    assert grown[: len(whole) - 1] == whole[:-1] and [r["index"] for r in grown][-4:] == [6, 7, 8, 9]
+    assert sum(counted) == 4  # prompts 6..9: shards 0 and 1 were not regenerated
+    with pytest.raises(DataError, match="other prompts"):
+        regenerate(gen, [[5, 5]] + more[1:], tmp_path / "whole", **kw)
 
 
 def test_draft_vocab():

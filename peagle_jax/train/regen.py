@@ -6,10 +6,13 @@ with our engine (:class:`peagle_jax.engine.Generator`). Prompts are split in ord
 
     {"index": 17, "prompt_ids": [...], "response_ids": [...], "finish_reason": "stop"|"length"}
 
-or ``{"index": 17, "skipped": "..."}`` for a prompt that does not fit ``max_prompt_tokens``. A shard is
-written to a temporary file and renamed when complete, so a killed run leaves only whole shards; running
-again skips them and continues with the first missing one: nothing is lost or duplicated. ``regen.json``
-records the settings; resuming with different settings is refused instead of mixing data.
+or ``{"index": 17, "skipped": "..."}`` for a prompt that does not fit ``max_prompt_tokens``, after a header
+line ``{"shard": i, "prompts": n, "prompts_sha256": ...}`` naming the prompts it answers. A shard is written
+to a temporary file and renamed when complete, so a killed run leaves only whole shards; running again
+skips them and continues with the first missing one: nothing is lost or duplicated. ``regen.json`` records
+the settings; resuming with different settings, or with other prompts in a finished shard, is refused
+instead of mixing data. More prompts may be added later (a larger ``max_prompts``): finished shards are
+kept, and a last shard that was cut short is completed.
 """
 
 from __future__ import annotations
@@ -28,9 +31,8 @@ from peagle_jax.train.prompts import DataError, iter_jsonl
 
 @dataclasses.dataclass(frozen=True)
 class RegenSettings:
-    """What the shards depend on; stored in ``regen.json``."""
+    """What every shard depends on; stored in ``regen.json``."""
 
-    prompts_sha256: str
     max_prompt_tokens: int
     max_new_tokens: int
     temperature: float
@@ -54,6 +56,21 @@ def prompts_digest(prompts: Sequence[Sequence[int]]) -> str:
 
 def shard_path(out_dir: Path, i: int) -> Path:
     return out_dir / f"shard-{i:05d}.jsonl"
+
+
+def _shard_done(path: Path, i: int, prompts: Sequence[Sequence[int]]) -> bool:
+    """Whether shard ``path`` already answers ``prompts`` (its range); False when it answers a strict prefix
+    of them (an earlier, smaller run: it is redone); an error when it answers other prompts."""
+    if not path.exists():
+        return False
+    with open(path, encoding="utf-8") as f:
+        header = json.loads(f.readline() or "{}")
+    n = header.get("prompts")
+    if header.get("shard") != i or not isinstance(n, int):
+        raise DataError(f"{path} has no shard header; it was not written by this version")
+    if n <= len(prompts) and header.get("prompts_sha256") == prompts_digest(prompts[:n]):
+        return n == len(prompts)
+    raise DataError(f"{path} answers other prompts than shard {i} of this run; use a new directory")
 
 
 def _check_settings(out_dir: Path, settings: RegenSettings) -> None:
@@ -95,13 +112,11 @@ def regenerate(
     """
     out_dir = Path(out_dir)
     prompt_ids = [[int(t) for t in p] for p in prompt_ids]
-    settings = RegenSettings(
-        prompts_digest(prompt_ids), max_prompt_tokens, max_new_tokens, float(temperature), seed, shard_size
-    )
+    settings = RegenSettings(max_prompt_tokens, max_new_tokens, float(temperature), seed, shard_size)
     _check_settings(out_dir, settings)
     num_shards = -(-len(prompt_ids) // shard_size)
     paths = [shard_path(out_dir, i) for i in range(num_shards)]
-    todo = [i for i, p in enumerate(paths) if not p.exists()]
+    todo = [i for i, p in enumerate(paths) if not _shard_done(p, i, prompt_ids[i * shard_size : (i + 1) * shard_size])]
     bar = tqdm(total=len(prompt_ids), desc="regenerate", unit="prompt", disable=not progress)
     bar.update(len(prompt_ids) - sum(min(shard_size, len(prompt_ids) - i * shard_size) for i in todo))
     for i in todo:
@@ -136,6 +151,8 @@ def regenerate(
         bar.update(hi - lo - len(fits))
         tmp = paths[i].with_suffix(".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
+            header = {"shard": i, "prompts": hi - lo, "prompts_sha256": prompts_digest(prompt_ids[lo:hi])}
+            f.write(json.dumps(header) + "\n")
             for j in range(lo, hi):
                 f.write(json.dumps(records[j]) + "\n")
         os.replace(tmp, paths[i])
