@@ -81,6 +81,12 @@ def fused_step(
     return out, cache, dcache
 
 
+def cache_slack(tree: Tree) -> int:
+    """Cache slots a step may write past the committed length: the root + tree nodes (verify) and the
+    K - 1 mask slots past the context (draft), with room to spare."""
+    return tree.size + 2 * tree.depth + 2
+
+
 @dataclasses.dataclass
 class SpecStats:
     """Counters over everything generated so far (all rows)."""
@@ -131,7 +137,7 @@ class SpeculativeGenerator(Generator):
         if tree.width > dcfg.draft_vocab_size:
             raise RequestError(f"--tree needs {tree.width} candidates per depth; the draft vocab has fewer")
         # A step writes the root + tree nodes past the committed length; the draft window K - 1 mask slots.
-        super().__init__(cfg, params, max_seq_len=max_seq_len, slack=tree.size + 2 * tree.depth + 2, **kwargs)
+        super().__init__(cfg, params, max_seq_len=max_seq_len, slack=cache_slack(tree), **kwargs)
         self.dcfg, self.dparams, self.tree, self.sequential, self.fused = dcfg, dparams, tree, sequential, fused
         self.K = tree.depth
         self.mask_g = None if sequential else fused_mask_hidden(dparams, cfg=dcfg)
@@ -217,6 +223,9 @@ class SpeculativeGenerator(Generator):
             t0 = time.perf_counter()
             window = self.window(int(q[~done].max()) + self.tree.size + 1)
             if self.fused:
+                # One window for both halves (the larger: a wider window is always safe), so the fused
+                # graphs are one per window bucket, not one per (draft window, verify window) pair.
+                window = max(window, self._draft_window(ctx_start))
                 out, cache, dcache = fused_step(
                     self.params,
                     cache,
@@ -236,7 +245,7 @@ class SpeculativeGenerator(Generator):
                     dcfg=self.dcfg,
                     tree=self.tree,
                     sequential=self.sequential,
-                    draft_window=self._draft_window(ctx_start),
+                    draft_window=window,
                     window=window,
                     greedy_only=greedy_only,
                 )

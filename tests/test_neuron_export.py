@@ -1,0 +1,141 @@
+"""Every graph the generators use exports for neuron and tpu and passes the Neuron lint: a tiny random
+model with every graph family, and the full-size SmolLM2 shapes (abstract, no weights)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from peagle_jax import model
+from peagle_jax.config import ModelConfig, RopeConfig
+from peagle_jax.engine import decode_step
+from peagle_jax.neuron.buckets import BucketsError, ServingBuckets, load_buckets
+from peagle_jax.neuron.export import NEURON_TARGETS, export_all, register_serialization
+from peagle_jax.neuron.graphs import all_graphs, random_drafter_config
+from peagle_jax.neuron.lint import Finding
+from peagle_jax.sampling import SamplingParams
+
+TINY = ModelConfig(family="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4,
+                   num_heads=4, num_kv_heads=2, head_dim=16)  # fmt: skip
+# SmolLM2-135M-Instruct's config.json, as read by from_hf_config (hermetic: no download needed).
+SMOLLM2 = ModelConfig(family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                      num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope=RopeConfig(theta=100000.0),
+                      tie_word_embeddings=True, max_position_embeddings=8192, dtype="bfloat16")  # fmt: skip
+EVERY_FAMILY = dict(batch_buckets=(1, 2), prefill_buckets=(16, 32), max_seq_len=64, k_values=(3,),
+                    trees=("0,1,00",), sequential=True, fused=True, sampling=True)  # fmt: skip
+
+
+def kinds(graphs):
+    return {g.name.split("_b")[0] for g in graphs}
+
+
+def test_tiny_model_every_graph_exports_clean_for_neuron_and_tpu(tmp_path):
+    buckets = ServingBuckets(**EVERY_FAMILY, dtype="float32")
+    graphs = all_graphs(TINY, random_drafter_config(TINY), buckets)
+    assert kinds(graphs) == {"prefill", "sample", "decode", "drafter_prefill", "parallel_draft", "sequential_draft",
+                             "verify", "fused_parallel", "fused_sequential", "fused_mask_hidden"}  # fmt: skip
+    findings = export_all(graphs, tmp_path, ("neuron", "tpu"))
+    assert {n: f for n, per in findings.items() for f in per.values() if f} == {}
+    for platform in ("neuron", "tpu"):
+        for g in graphs:
+            for suffix in (".mlir", ".exported", ".hlo.pb"):
+                assert (tmp_path / platform / f"{g.name}{suffix}").stat().st_size > 0
+    commands = (tmp_path / "neuron" / "compile.sh").read_text().splitlines()
+    compiles = [c for c in commands if c.startswith("neuronx-cc compile")]
+    assert len(compiles) == len(graphs) * len(NEURON_TARGETS)
+    assert "--framework XLA decode_b1_s64_w64_greedy.hlo.pb --target inf2 --model-type transformer" in "\n".join(
+        compiles
+    )
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert [g["name"] for g in manifest["graphs"]] == [g.name for g in graphs]
+    mlir = (tmp_path / "neuron" / "decode_b1_s64_w64_sampling.mlir").read_text()
+    assert "stablehlo.sort" not in mlir and "i64>" not in mlir
+
+
+@pytest.mark.slow
+def test_smollm2_shapes_every_graph_exports_clean():
+    """The full-size vocabulary (49152) is where sort, top-k and argmax would trip the lint."""
+    buckets = ServingBuckets(**{**EVERY_FAMILY, "batch_buckets": (1,)})
+    graphs = all_graphs(SMOLLM2, random_drafter_config(SMOLLM2), buckets)
+    findings = export_all(graphs, None, ("neuron",), write=False)
+    assert {n: f for n, per in findings.items() for f in per.values() if f} == {}
+
+
+def test_the_graph_set_follows_the_generators_buckets():
+    b = ServingBuckets(batch_buckets=(1,), prefill_buckets=(16, 32), max_seq_len=100, k_values=(2,), sampling=False)
+    names = [g.name for g in all_graphs(TINY, random_drafter_config(TINY), b)]
+    # Plain: 128 slots (100 rounded up to whole 32-token chunks), windows 128; chunks start at 0, 32, 64, 96.
+    assert "prefill_b1_s128_t32_w128" in names and "decode_b1_s128_w128_greedy" in names
+    assert not any("sampling" in n for n in names)
+    # Speculative (K=2: 8 slots of slack): 128 slots too, so the target prefill graphs are shared.
+    assert "verify_b1_s128_chain2_w128_greedy" in names and "parallel_draft_b1_s128_chain2_n1_w128" in names
+    assert len(names) == len(set(names))
+
+
+def test_an_exported_graph_runs_and_equals_the_jitted_one():
+    """The serialized export is the same computation: exported for cpu, reloaded and called."""
+    register_serialization()
+    params = model.init_params(TINY, jax.random.key(1))
+    B, S = 2, 128
+    args = lambda: (  # noqa: E731
+        params,
+        model.new_cache(TINY, B, S),
+        jnp.asarray([3, 5], jnp.int32),
+        jnp.asarray([0, 4], jnp.int32),
+        jnp.asarray([1, 2], jnp.uint32),
+        SamplingParams.make(B, 0.8, 5, 0.9),
+    )
+    kw = dict(cfg=TINY, greedy_only=False, window=128)
+    blob = export.export(decode_step, platforms=["cpu"])(*args(), **kw).serialize()
+    tokens, cache = export.deserialize(blob).call(*args())
+    ref_tokens, ref_cache = decode_step(*args(), **kw)
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    np.testing.assert_array_equal(cache.k[0], ref_cache.k[0])
+
+
+def test_bucket_config_from_yaml(tmp_path):
+    path = tmp_path / "b.yaml"
+    path.write_text("batch_buckets: [1, 8]\nk_values: 5\ntrees: ['0,1']\n")
+    b = load_buckets(path)
+    assert b.batch_buckets == (1, 8) and b.k_values == (5,) and b.trees == ("0,1",) and b.max_seq_len == 256
+    path.write_text("batch_size: [1]\n")
+    with pytest.raises(BucketsError, match="unknown bucket field"):
+        load_buckets(path)
+    with pytest.raises(BucketsError, match="batch_buckets"):
+        load_buckets(None, batch_buckets=[0])
+
+
+def test_cli_exports_a_tiny_hf_model_and_fails_on_findings(tmp_path, save_hf, monkeypatch, capsys):
+    from conftest import tiny_hf_model
+
+    from peagle_jax.neuron import __main__ as cli
+    from peagle_jax.neuron import export as export_mod
+
+    model_dir = save_hf(tiny_hf_model("llama"))
+    yaml = tmp_path / "b.yaml"
+    yaml.write_text("batch_buckets: [1]\nprefill_buckets: [16]\nmax_seq_len: 32\nk_values: [2]\ndtype: float32\n")
+    argv = ["export", "--model", str(model_dir), "--buckets", str(yaml), "--out", str(tmp_path / "out")]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "randomly initialised" in out and "lint: clean" in out
+    assert (tmp_path / "out" / "tpu" / "fused_mask_hidden.mlir").is_file()
+
+    def one_finding(text, **_):
+        return [Finding("int64", 1, "a 64-bit integer tensor")] if "@jit_decode_step" in text else []
+
+    monkeypatch.setattr(export_mod, "lint_stablehlo", one_finding)
+    assert cli.main([*argv, "--platforms", "neuron", "--no-write"]) == 1
+    assert "[int64]" in capsys.readouterr().out
+
+
+def test_cli_usage_errors():
+    run = [sys.executable, "-m", "peagle_jax.neuron", "export", "--model", "/nonexistent", "--out", "/tmp/x"]
+    r = subprocess.run(run, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1
