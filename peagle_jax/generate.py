@@ -55,6 +55,18 @@ def build_parser() -> argparse.ArgumentParser:
         default="float32",
         help="weights and compute dtype: float32 on CPU (default), bfloat16 on accelerators",
     )
+    p.add_argument(
+        "--platform",
+        choices=["cpu", "gpu", "tpu", "neuron"],
+        default="cpu",
+        help="JAX backend: cpu (default), gpu, tpu, or neuron (Trainium/Inferentia through the jax-neuronx "
+        "plugin); an accelerator whose plugin is missing is refused with the install command",
+    )
+    p.add_argument(
+        "--compilation-cache",
+        default=None,
+        help="JAX persistent compilation cache directory, or 'none' to disable (default ~/.cache/peagle_jax/jax-cache)",
+    )
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument(
         "--drafter",
@@ -142,6 +154,10 @@ def speculative_generator(args, model_dir):
 
 
 def run(args) -> dict:
+    from peagle_jax.platform import default_cache_dir, select_platform
+
+    cache = args.compilation_cache or default_cache_dir()
+    select_platform(args.platform, compilation_cache=None if str(cache) == "none" else cache)
     from peagle_jax.checkpoint import load_target_any
     from peagle_jax.engine import Generator
     from peagle_jax.sampling import check_sampling_args
