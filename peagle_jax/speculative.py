@@ -120,8 +120,11 @@ class SpeculativeGenerator(Generator):
         sequential: bool = False,
         fused: bool = False,
         max_seq_len: int = 2048,
+        shard_drafter: bool = False,
         **kwargs,
     ):
+        """With ``mesh`` (tensor parallelism) the drafter is replicated on it, or sharded by the target's
+        rules when ``shard_drafter``."""
         tree = tree or chain(k or dcfg.speculative_tokens)
         if k is not None and tree.depth != k:
             raise RequestError(f"--tree uses depth {tree.depth} but --k is {k}")
@@ -138,6 +141,21 @@ class SpeculativeGenerator(Generator):
             raise RequestError(f"--tree needs {tree.width} candidates per depth; the draft vocab has fewer")
         # A step writes the root + tree nodes past the committed length; the draft window K - 1 mask slots.
         super().__init__(cfg, params, max_seq_len=max_seq_len, slack=cache_slack(tree), **kwargs)
+        self.shard_drafter = shard_drafter
+        if self.mesh is not None:
+            from peagle_jax import sharding
+
+            if shard_drafter:
+                lc = dcfg.layer
+                sharding.check_tp(
+                    self.mesh.size,
+                    num_kv_heads=lc.num_kv_heads,
+                    intermediate_size=lc.intermediate_size,
+                    what="the drafter",
+                )
+                dparams = sharding.shard_params(dparams, self.mesh)
+            else:
+                dparams = sharding.replicate(dparams, self.mesh)
         self.dcfg, self.dparams, self.tree, self.sequential, self.fused = dcfg, dparams, tree, sequential, fused
         self.K = tree.depth
         self.mask_g = None if sequential else fused_mask_hidden(dparams, cfg=dcfg)
@@ -175,6 +193,10 @@ class SpeculativeGenerator(Generator):
 
         t0 = time.perf_counter()
         dcache = new_drafter_cache(self.dcfg, B, self.num_slots)
+        if self.mesh is not None:
+            from peagle_jax import sharding
+
+            dcache = (sharding.shard_cache if self.shard_drafter else sharding.replicate)(dcache, self.mesh)
         last_aux = [None]
 
         def seed_drafter(out, start, T):
