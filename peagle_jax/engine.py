@@ -197,10 +197,12 @@ class Generator:
         Returns the seconds spent."""
         t0 = time.perf_counter()
         B = bucket(batch, self.batch_buckets)
-        _, cache = self.prefill([[0] * prompt_len] * B, B)
+        logits, cache = self.prefill([[0] * prompt_len] * B, B)
         sampling = SamplingParams.make(B)
         seeds = jnp.zeros(B, jnp.uint32)
-        tokens = jnp.zeros(B, jnp.int32)
+        # The first token comes from the same graph as in :meth:`stream` (so its placement matches too: with a
+        # mesh, a token array placed differently would compile the decode step again).
+        tokens = sample_jit(logits, sampling, seeds, jnp.full(B, prompt_len, jnp.int32), greedy_only=greedy_only)
         first, last = self.window(prompt_len + 1), self.window(prompt_len + max_new_tokens)
         for w in self.window_buckets:
             if first <= w <= last:
