@@ -317,8 +317,9 @@ class SpeculativeGenerator(Generator):
             yield gained
 
     def warmup(self, batch: int, prompt_len: int, max_new_tokens: int, *, greedy_only: bool = True) -> float:
-        """Compile the prefill, draft and verify graphs of a request of this size by running a short one on
-        a scratch prompt (graphs for larger attention windows compile when a run first reaches them)."""
+        """Compile every graph a request of this size can call, before it arrives: a short run on a scratch
+        prompt (prefills, first-token sampling, the first windows), then the draft and verify (or fused)
+        graphs of each larger attention window the request can reach, on scratch caches."""
         t0 = time.perf_counter()
         self.generate(
             [[0] * prompt_len] * batch,
@@ -326,5 +327,51 @@ class SpeculativeGenerator(Generator):
             stop_token_ids=[],
             temperature=0.0 if greedy_only else 1.0,
         )
+        self._warm_windows(batch, prompt_len, max_new_tokens, greedy_only)
         self.spec = SpecStats(accepted_per_position=[0] * self.K)
         return time.perf_counter() - t0
+
+    def _warm_windows(self, batch: int, prompt_len: int, max_new_tokens: int, greedy_only: bool) -> None:
+        """One call per window bucket, with the root (q) and the draft context start placed so that the host
+        loop's window rules (see :meth:`stream`) pick exactly that bucket. Outputs are discarded."""
+        from peagle_jax import model
+        from peagle_jax.engine import bucket
+        from peagle_jax.sampling import SamplingParams
+
+        B, K, size, C = bucket(batch, self.batch_buckets), self.K, self.tree.size, self.K + 1
+        last = prompt_len + max_new_tokens
+        verify_windows = {self.window(q + size + 1) for q in range(prompt_len, last + 1)}
+        draft_windows = {self._draft_window(np.asarray([s])) for s in range(prompt_len - 1, last + 1)}
+        cache = model.new_cache(self.cfg, B, self.num_slots)
+        dcache = new_drafter_cache(self.dcfg, B, self.num_slots)
+        if self.mesh is not None:
+            from peagle_jax import sharding
+
+            cache = sharding.shard_cache(cache, self.mesh)
+            dcache = (sharding.shard_cache if self.shard_drafter else sharding.replicate)(dcache, self.mesh)
+        X = len(self.cfg.aux_layer_ids) * self.cfg.hidden_size
+        tokens, count = np.zeros((B, C), np.int32), np.ones(B, np.int32)
+        aux = jnp.zeros((B, C, X), self.cfg.jnp_dtype)
+        sampling = SamplingParams.make(B, 0.0 if greedy_only else 1.0)
+        seeds, root = jnp.zeros(B, jnp.uint32), jnp.zeros(B, jnp.int32)
+        out = None
+        windows = sorted(verify_windows | draft_windows) if self.fused else sorted(verify_windows)
+        for w in windows:
+            q = jnp.full(B, max(w - size - 1, 0), jnp.int32)
+            start = np.full(B, max(w - 2 * K - 1, 0), np.int32)
+            if self.fused:
+                out, cache, dcache = fused_step(
+                    self.params, cache, self.dparams, dcache, jnp.asarray(tokens), aux, jnp.asarray(count),
+                    jnp.asarray(start), self.mask_g, self.embed, root, q, seeds, sampling, cfg=self.cfg,
+                    dcfg=self.dcfg, tree=self.tree, sequential=self.sequential, draft_window=w, window=w,
+                    greedy_only=greedy_only,
+                )  # fmt: skip
+            else:
+                out, cache = verify(
+                    self.params, cache, root, jnp.zeros((B, K, self.tree.width), jnp.int32), q, seeds, sampling,
+                    cfg=self.cfg, tree=self.tree, window=w, greedy_only=greedy_only,
+                )  # fmt: skip
+        for w in [] if self.fused else sorted(draft_windows):
+            start = np.full(B, max(w - 2 * K - 1, 0), np.int32)
+            out, dcache = self._draft(dcache, tokens, aux, count, start)
+        jax.block_until_ready(out)

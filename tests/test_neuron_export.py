@@ -4,8 +4,10 @@ model with every graph family, and the full-size SmolLM2 shapes (abstract, no we
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -105,6 +107,8 @@ def test_bucket_config_from_yaml(tmp_path):
     path.write_text("batch_buckets: [1, 8]\nk_values: 5\ntrees: ['0,1']\n")
     b = load_buckets(path)
     assert b.batch_buckets == (1, 8) and b.k_values == (5,) and b.trees == ("0,1",) and b.max_seq_len == 256
+    shipped = load_buckets(Path(__file__).resolve().parent.parent / "neuron" / "buckets.yaml")
+    assert shipped.k_values == (7,) and shipped.fused and shipped.dtype == "bfloat16"
     path.write_text("batch_size: [1]\n")
     with pytest.raises(BucketsError, match="unknown bucket field"):
         load_buckets(path)
@@ -126,6 +130,21 @@ def test_cli_exports_a_tiny_hf_model_and_fails_on_findings(tmp_path, save_hf, mo
     out = capsys.readouterr().out
     assert "randomly initialised" in out and "lint: clean" in out
     assert (tmp_path / "out" / "tpu" / "fused_mask_hidden.mlir").is_file()
+    # neuron/compile.sh runs the written commands for one target, here with a stand-in neuronx-cc that
+    # writes the file named after --output.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "neuronx-cc"
+    fake.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = --output ] && echo neff > "$2"; shift; done\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    script = Path(__file__).resolve().parent.parent / "neuron" / "compile.sh"
+    r = subprocess.run(["sh", str(script), str(tmp_path / "out"), "inf2", "2"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    hlos = sorted(p.name.removesuffix(".hlo.pb") for p in (tmp_path / "out" / "neuron").glob("*.hlo.pb"))
+    neffs = sorted(p.name.removesuffix(".inf2.neff") for p in (tmp_path / "out" / "neuron").glob("*.inf2.neff"))
+    assert hlos == neffs and len(hlos) == 11
+    assert not list((tmp_path / "out" / "neuron").glob("*.trn1.neff"))
 
     def one_finding(text, **_):
         return [Finding("int64", 1, "a 64-bit integer tensor")] if "@jit_decode_step" in text else []
