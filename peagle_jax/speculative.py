@@ -361,16 +361,42 @@ class SpeculativeGenerator(Generator):
             start = np.full(B, max(w - 2 * K - 1, 0), np.int32)
             if self.fused:
                 out, cache, dcache = fused_step(
-                    self.params, cache, self.dparams, dcache, jnp.asarray(tokens), aux, jnp.asarray(count),
-                    jnp.asarray(start), self.mask_g, self.embed, root, q, seeds, sampling, cfg=self.cfg,
-                    dcfg=self.dcfg, tree=self.tree, sequential=self.sequential, draft_window=w, window=w,
+                    self.params,
+                    cache,
+                    self.dparams,
+                    dcache,
+                    jnp.asarray(tokens),
+                    aux,
+                    jnp.asarray(count),
+                    jnp.asarray(start),
+                    self.mask_g,
+                    self.embed,
+                    root,
+                    q,
+                    seeds,
+                    sampling,
+                    cfg=self.cfg,
+                    dcfg=self.dcfg,
+                    tree=self.tree,
+                    sequential=self.sequential,
+                    draft_window=w,
+                    window=w,
                     greedy_only=greedy_only,
-                )  # fmt: skip
+                )
             else:
                 out, cache = verify(
-                    self.params, cache, root, jnp.zeros((B, K, self.tree.width), jnp.int32), q, seeds, sampling,
-                    cfg=self.cfg, tree=self.tree, window=w, greedy_only=greedy_only,
-                )  # fmt: skip
+                    self.params,
+                    cache,
+                    root,
+                    jnp.zeros((B, K, self.tree.width), jnp.int32),
+                    q,
+                    seeds,
+                    sampling,
+                    cfg=self.cfg,
+                    tree=self.tree,
+                    window=w,
+                    greedy_only=greedy_only,
+                )
         for w in [] if self.fused else sorted(draft_windows):
             start = np.full(B, max(w - 2 * K - 1, 0), np.int32)
             out, dcache = self._draft(dcache, tokens, aux, count, start)

@@ -24,14 +24,42 @@ from peagle_jax.neuron.graphs import all_graphs, random_drafter_config
 from peagle_jax.neuron.lint import Finding
 from peagle_jax.sampling import SamplingParams
 
-TINY = ModelConfig(family="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4,
-                   num_heads=4, num_kv_heads=2, head_dim=16)  # fmt: skip
+TINY = ModelConfig(
+    family="llama",
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+)
 # SmolLM2-135M-Instruct's config.json, as read by from_hf_config (hermetic: no download needed).
-SMOLLM2 = ModelConfig(family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                      num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope=RopeConfig(theta=100000.0),
-                      tie_word_embeddings=True, max_position_embeddings=8192, dtype="bfloat16")  # fmt: skip
-EVERY_FAMILY = dict(batch_buckets=(1, 2), prefill_buckets=(16, 32), max_seq_len=64, k_values=(3,),
-                    trees=("0,1,00",), sequential=True, fused=True, sampling=True)  # fmt: skip
+SMOLLM2 = ModelConfig(
+    family="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope=RopeConfig(theta=100000.0),
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+    dtype="bfloat16",
+)
+EVERY_FAMILY = dict(
+    batch_buckets=(1, 2),
+    prefill_buckets=(16, 32),
+    max_seq_len=64,
+    k_values=(3,),
+    trees=("0,1,00",),
+    sequential=True,
+    fused=True,
+    sampling=True,
+)
 
 
 def kinds(graphs):
@@ -41,8 +69,18 @@ def kinds(graphs):
 def test_tiny_model_every_graph_exports_clean_for_neuron_and_tpu(tmp_path):
     buckets = ServingBuckets(**EVERY_FAMILY, dtype="float32")
     graphs = all_graphs(TINY, random_drafter_config(TINY), buckets)
-    assert kinds(graphs) == {"prefill", "sample", "decode", "drafter_prefill", "parallel_draft", "sequential_draft",
-                             "verify", "fused_parallel", "fused_sequential", "fused_mask_hidden"}  # fmt: skip
+    assert kinds(graphs) == {
+        "prefill",
+        "sample",
+        "decode",
+        "drafter_prefill",
+        "parallel_draft",
+        "sequential_draft",
+        "verify",
+        "fused_parallel",
+        "fused_sequential",
+        "fused_mask_hidden",
+    }
     findings = export_all(graphs, tmp_path, ("neuron", "tpu"))
     assert {n: f for n, per in findings.items() for f in per.values() if f} == {}
     for platform in ("neuron", "tpu"):

@@ -8,8 +8,16 @@ from peagle_jax.config import ModelConfig
 from peagle_jax.errors import UserError
 from peagle_jax.neuron.plan import GIB, INSTANCES, ModelCost, model_cost, plan
 
-TINY = ModelConfig(family="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4,
-                   num_heads=4, num_kv_heads=2, head_dim=16)  # fmt: skip
+TINY = ModelConfig(
+    family="llama",
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+)
 
 
 def test_model_cost_of_a_tiny_config_by_hand():
@@ -74,11 +82,29 @@ def test_plan_cli(save_hf, capsys):
     from peagle_jax.neuron.__main__ import main
 
     model_dir = str(save_hf(tiny_hf_model("llama")))
-    assert main(["plan", "--model", model_dir, "--instance", "trn1.32xlarge", "--tp", "2", "--k", "3",
-                 "--acceptance-length", "2.5"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                model_dir,
+                "--instance",
+                "trn1.32xlarge",
+                "--tp",
+                "2",
+                "--k",
+                "3",
+                "--acceptance-length",
+                "2.5",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "| plain decode |" in out and "speculative / plain tokens/s bound" in out
     # 2 kv heads: TP 4 cannot shard them.
-    assert main(["plan", "--model", model_dir, "--instance", "trn1.32xlarge", "--tp", "4",
-                 "--acceptance-length", "2"]) == 2  # fmt: skip
+    assert (
+        main(["plan", "--model", model_dir, "--instance", "trn1.32xlarge", "--tp", "4", "--acceptance-length", "2"])
+        == 2
+    )
     assert "must divide" in capsys.readouterr().err

@@ -15,8 +15,16 @@ from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.model import init_drafter_params
 from peagle_jax.speculative import SpeculativeGenerator, fused_step
 
-CFG = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8)  # fmt: skip
+CFG = ModelConfig(
+    family="llama",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+)
 DCFG = DrafterConfig(layer=CFG.replace(num_layers=1, aux_layer_ids=(0,)), algorithm="peagle", mask_token_id=5)
 GRAPHS = (M.prefill, engine.decode_step, engine.sample_jit, V.verify, D.parallel_draft, D.drafter_prefill, fused_step)
 

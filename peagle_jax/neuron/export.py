@@ -138,9 +138,13 @@ def export_all(
         out.mkdir(parents=True, exist_ok=True)
         (out / "manifest.json").write_text(json.dumps({"graphs": manifest}, indent=1) + "\n")
     if write and "neuron" in platforms:
-        header = ["#!/bin/sh", "# neuronx-cc commands for every exported graph (written by python -m peagle_jax.neuron "
-                  "export).", "# Run on a host with neuronx-cc, or through neuron/compile.sh.", "set -e",
-                  'cd "$(dirname "$0")"']  # fmt: skip
+        header = [
+            "#!/bin/sh",
+            "# neuronx-cc commands for every exported graph (written by python -m peagle_jax.neuron export).",
+            "# Run on a host with neuronx-cc, or through neuron/compile.sh.",
+            "set -e",
+            'cd "$(dirname "$0")"',
+        ]
         path = out / "neuron" / "compile.sh"
         path.write_text("\n".join([*header, *commands]) + "\n")
         path.chmod(0o755)
