@@ -1,5 +1,6 @@
 """Tensor parallelism on 8 simulated CPU devices: TP = 1, 2, 4, 8 give the tokens of the unsharded model,
-plain and speculative (parallel, fused, sharded drafter), greedy. The devices must be configured before
+plain and speculative (parallel, fused, sharded drafter), greedy; the TP decode step exports for neuron
+and passes the lint. The devices must be configured before
 jax starts, so the check runs in a subprocess (``tests/tp_check.py``)."""
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ def test_weights_and_cache_are_split_over_kv_heads(tp_runs):
         runs = tp_runs["runs"][str(tp)]
         assert runs["qkv_shard_shape"] == [8 // tp, 4, 8, 64]  # [G / TP, R + 2, H, D]
         assert runs["cache_sharded_on_kv_heads"]
+
+
+def test_the_sharded_decode_step_exports_clean_for_neuron(tp_runs):
+    assert tp_runs["tp8_neuron_export"] == {"devices": 8, "findings": []}
 
 
 def test_tp_must_divide_the_kv_heads():

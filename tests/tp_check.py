@@ -8,14 +8,18 @@ import json
 import sys
 
 import jax
+from jax import export
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from peagle_jax import model
 from peagle_jax.config import ModelConfig
 from peagle_jax.drafter.model import init_drafter_params
-from peagle_jax.engine import Generator
+from peagle_jax.engine import Generator, decode_step
 from peagle_jax.neuron.graphs import random_drafter_config
-from peagle_jax.sharding import CACHE_SPEC, make_mesh
+from peagle_jax.neuron.lint import lint_stablehlo
+from peagle_jax.sampling import SamplingParams
+from peagle_jax.sharding import CACHE_SPEC, make_mesh, param_shardings
 from peagle_jax.speculative import SpeculativeGenerator
 
 CFG = ModelConfig(
@@ -41,6 +45,29 @@ VARIANTS = {
 }
 
 
+def export_sharded(mesh) -> dict:
+    """The TP decode step exported for neuron from sharded abstract inputs: its device count and lint."""
+    rep = NamedSharding(mesh, P())
+
+    def sds(x, sharding=rep):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    params = jax.eval_shape(lambda: model.init_params(CFG, jax.random.key(0)))
+    params = jax.tree.map(sds, params, param_shardings(params, mesh))
+    cache = jax.tree.map(
+        lambda x: sds(x, NamedSharding(mesh, CACHE_SPEC)), jax.eval_shape(lambda: model.new_cache(CFG, 2, 64))
+    )
+    ints, floats = (
+        jax.ShapeDtypeStruct((2,), "int32", sharding=rep),
+        jax.ShapeDtypeStruct((2,), "float32", sharding=rep),
+    )
+    seeds = jax.ShapeDtypeStruct((2,), "uint32", sharding=rep)
+    exported = export.export(decode_step, platforms=["neuron"])(
+        params, cache, ints, ints, seeds, SamplingParams(floats, ints, floats), cfg=CFG, greedy_only=False, window=64
+    )
+    return {"devices": exported.nr_devices, "findings": [str(f) for f in lint_stablehlo(exported.mlir_module())]}
+
+
 def main() -> int:
     assert jax.device_count() == 8, jax.devices()
     params = model.init_params(CFG, jax.random.key(0))
@@ -62,6 +89,7 @@ def main() -> int:
             runs["qkv_shard_shape"] = list(qkv.addressable_shards[0].data.shape)
             runs["cache_sharded_on_kv_heads"] = cache.k[0].sharding.is_equivalent_to(NamedSharding(mesh, CACHE_SPEC), 4)
         out["runs"]["none" if tp is None else str(tp)] = runs
+    out["tp8_neuron_export"] = export_sharded(make_mesh(8))
     print(json.dumps(out))
     return 0
 
