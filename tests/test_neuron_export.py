@@ -18,6 +18,7 @@ from jax import export
 from peagle_jax import model
 from peagle_jax.config import ModelConfig, RopeConfig
 from peagle_jax.engine import decode_step
+from peagle_jax.errors import UserError
 from peagle_jax.neuron.buckets import BucketsError, ServingBuckets, load_buckets
 from peagle_jax.neuron.export import NEURON_TARGETS, export_all, register_serialization
 from peagle_jax.neuron.graphs import all_graphs, random_drafter_config
@@ -196,3 +197,20 @@ def test_cli_usage_errors():
     run = [sys.executable, "-m", "peagle_jax.neuron", "export", "--model", "/nonexistent", "--out", "/tmp/x"]
     r = subprocess.run(run, capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_tensor_parallel_graphs_export_clean_on_one_cpu(tmp_path):
+    """``--tp``: the graphs take their parameters and caches sharded over an abstract 4-device mesh, so each
+    module is a 4-partition program (partitioned by the compiler), exported and linted without 4 devices."""
+    cfg = TINY.replace(num_heads=8, num_kv_heads=4, num_layers=2, aux_layer_ids=())
+    buckets = ServingBuckets(**{**EVERY_FAMILY, "batch_buckets": (1,)}, dtype="float32")
+    graphs = all_graphs(cfg, random_drafter_config(cfg), buckets, tp=4)
+    findings = export_all(graphs, tmp_path, ("neuron",))
+    assert {n: f for n, per in findings.items() for f in per.values() if f} == {}
+    text = (tmp_path / "neuron" / "decode_b1_s64_w64_greedy.mlir").read_text()
+    assert "mhlo.num_partitions = 4" in text
+    qkv = next(line for line in text.splitlines() if "qkv_proj']['weight']\")" in line and "sdy.sharding" in line)
+    assert '[{"tp"}, {}, {}, {}]' in qkv  # split on the kv heads
+    assert len(list((tmp_path / "neuron").glob("*.hlo.pb"))) == len(graphs)
+    with pytest.raises(UserError, match="must divide"):
+        all_graphs(cfg, random_drafter_config(cfg), buckets, tp=3)

@@ -35,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--platforms", default="neuron,tpu", help="comma-separated jax.export platforms (default neuron,tpu)"
     )
     e.add_argument("--no-write", action="store_true", help="lint only; write nothing but the manifest")
+    e.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="export the tensor-parallel graphs for this many devices (NeuronCores); must divide the kv heads",
+    )
     from peagle_jax.neuron.plan import add_plan_parser
 
     add_plan_parser(sub)
@@ -77,10 +83,12 @@ def run_export(args) -> int:
             "no --drafter: a randomly initialised 2-layer P-EAGLE drafter of the target's shape "
             "(graph shapes do not depend on weights; no trained drafter ships yet)"
         )
-    graphs = all_graphs(cfg, dcfg, buckets)
+    if args.tp < 1:
+        raise UserError(f"--tp must be >= 1, got {args.tp}")
+    graphs = all_graphs(cfg, dcfg, buckets, tp=args.tp)
     print(f"target: {args.model} ({cfg.family}, {cfg.num_layers} layers, vocab {cfg.vocab_size}, {cfg.dtype})")
     print(drafter_note)
-    print(f"buckets: {buckets}")
+    print(f"buckets: {buckets}" + (f"; tensor parallel over {args.tp} devices" if args.tp > 1 else ""))
     print(f"{len(graphs)} graphs x platforms {', '.join(platforms)} (jax {jax.__version__}) -> {args.out}")
     bar = tqdm(total=len(graphs), desc="export + lint", file=sys.stderr)
     try:

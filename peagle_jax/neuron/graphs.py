@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
 from peagle_jax import model
 from peagle_jax.config import ModelConfig
@@ -34,6 +35,7 @@ from peagle_jax.drafter.model import init_drafter_params, new_drafter_cache
 from peagle_jax.engine import Generator, decode_step, sample_jit
 from peagle_jax.neuron.buckets import ServingBuckets
 from peagle_jax.sampling import SamplingParams
+from peagle_jax.sharding import AXIS, CACHE_SPEC, check_tp, param_shardings
 from peagle_jax.speculative import cache_slack, fused_step
 from peagle_jax.verify import Tree, chain, parse_tree, verify
 
@@ -78,12 +80,26 @@ def _sampling(B):
     return SamplingParams(sds((B,), jnp.float32), sds((B,), jnp.int32), sds((B,), jnp.float32))
 
 
-def _cache(cfg: ModelConfig, B: int, S: int):
-    return jax.eval_shape(lambda: model.new_cache(cfg, B, S))
+def _placed(tree, shardings):
+    """Abstract arrays carrying shardings (a tree of them, or one for every leaf)."""
+    if isinstance(shardings, NamedSharding):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings), tree)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def _dcache(dcfg: DrafterConfig, B: int, S: int):
-    return jax.eval_shape(lambda: new_drafter_cache(dcfg, B, S))
+def _cache(cfg: ModelConfig, B: int, S: int, mesh=None):
+    cache = jax.eval_shape(lambda: model.new_cache(cfg, B, S))
+    return cache if mesh is None else _placed(cache, NamedSharding(mesh, CACHE_SPEC))
+
+
+def _dcache(dcfg: DrafterConfig, B: int, S: int, mesh=None):
+    cache = jax.eval_shape(lambda: new_drafter_cache(dcfg, B, S))
+    return cache if mesh is None else _placed(cache, NamedSharding(mesh, PartitionSpec()))
+
+
+def abstract_mesh(tp: int):
+    """A ``tp``-device mesh of no particular devices: enough to export partitioned graphs on one CPU."""
+    return AbstractMesh((tp,), (AXIS,), axis_types=(AxisType.Auto,))
 
 
 def _prefill_windows(gen: Generator, max_seq_len: int) -> list[tuple[int, int]]:
@@ -104,7 +120,7 @@ def tree_name(tree: Tree) -> str:
     return f"chain{tree.depth}" if tree.is_chain else f"tree{tree.size}d{tree.depth}w{tree.width}"
 
 
-def plain_graphs(cfg, params, buckets: ServingBuckets) -> list[Graph]:
+def plain_graphs(cfg, params, buckets: ServingBuckets, mesh=None) -> list[Graph]:
     gen = Generator(
         cfg,
         None,
@@ -116,7 +132,7 @@ def plain_graphs(cfg, params, buckets: ServingBuckets) -> list[Graph]:
     greedy_modes = (True, False) if buckets.sampling else (True,)
     out = []
     for B in gen.batch_buckets:
-        cache = _cache(cfg, B, S)
+        cache = _cache(cfg, B, S, mesh)
         ints = sds((B,), jnp.int32)
         for T, W in _prefill_windows(gen, buckets.max_seq_len):
             out.append(
@@ -149,7 +165,7 @@ def plain_graphs(cfg, params, buckets: ServingBuckets) -> list[Graph]:
     return out
 
 
-def speculative_graphs(cfg, params, dcfg, dparams, buckets: ServingBuckets, tree: Tree) -> list[Graph]:
+def speculative_graphs(cfg, params, dcfg, dparams, buckets: ServingBuckets, tree: Tree, mesh=None) -> list[Graph]:
     gen = Generator(
         cfg,
         None,
@@ -169,7 +185,7 @@ def speculative_graphs(cfg, params, dcfg, dparams, buckets: ServingBuckets, tree
     kinds = (["parallel"] if dcfg.parallel else []) + (["sequential"] if buckets.sequential else [])
     out = []
     for B in gen.batch_buckets:
-        cache, dcache = _cache(cfg, B, S), _dcache(dcfg, B, S)
+        cache, dcache = _cache(cfg, B, S, mesh), _dcache(dcfg, B, S, mesh)
         ints = sds((B,), jnp.int32)
         ctx = (sds((B, C), jnp.int32), sds((B, C, X), dt), ints, ints)
         for T, W in _prefill_windows(gen, buckets.max_seq_len):
@@ -255,13 +271,23 @@ def speculative_graphs(cfg, params, dcfg, dparams, buckets: ServingBuckets, tree
     return out
 
 
-def all_graphs(cfg: ModelConfig, dcfg: DrafterConfig, buckets: ServingBuckets) -> list[Graph]:
-    """Every graph for these buckets, deduplicated by name (a graph shared by two draft shapes once)."""
+def all_graphs(cfg: ModelConfig, dcfg: DrafterConfig, buckets: ServingBuckets, tp: int = 1) -> list[Graph]:
+    """Every graph for these buckets, deduplicated by name (a graph shared by two draft shapes once).
+
+    With ``tp > 1`` the graphs are the tensor-parallel ones (:mod:`peagle_jax.sharding`): parameters and KV
+    cache carry their ``tp`` shardings over an abstract mesh, the drafter is replicated, and each exported
+    module is a ``tp``-device program for the compiler's partitioner."""
     params, dparams = abstract_params(cfg), abstract_drafter_params(dcfg)
-    graphs = plain_graphs(cfg, params, buckets)
+    mesh = None
+    if tp > 1:
+        check_tp(tp, num_kv_heads=cfg.num_kv_heads, intermediate_size=cfg.intermediate_size)
+        mesh = abstract_mesh(tp)
+        params = _placed(params, param_shardings(params, mesh))
+        dparams = _placed(dparams, NamedSharding(mesh, PartitionSpec()))
+    graphs = plain_graphs(cfg, params, buckets, mesh)
     trees = [chain(k) for k in buckets.k_values] + [parse_tree(t) for t in buckets.trees]
     for tree in trees:
-        graphs += speculative_graphs(cfg, params, dcfg, dparams, buckets, tree)
+        graphs += speculative_graphs(cfg, params, dcfg, dparams, buckets, tree, mesh)
     if dcfg.parallel:
         graphs.append(Graph("fused_mask_hidden", fused_mask_hidden, (dparams,), dict(cfg=dcfg)))
     seen, unique = set(), []
