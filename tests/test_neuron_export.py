@@ -185,6 +185,18 @@ def test_cli_exports_a_tiny_hf_model_and_fails_on_findings(tmp_path, save_hf, mo
     assert hlos == neffs and len(hlos) == 11
     assert not list((tmp_path / "out" / "neuron").glob("*.trn1.neff"))
 
+    # A real drafter directory (speculators layout) instead of the random default.
+    from peagle_jax.config import load_hf_config
+    from peagle_jax.drafter.load import save_drafter
+    from peagle_jax.drafter.model import init_drafter_params
+
+    dcfg = random_drafter_config(load_hf_config(model_dir))
+    save_drafter(tmp_path / "drafter", dcfg, init_drafter_params(dcfg, jax.random.key(0)))
+    drafted = [*argv[:-1], str(tmp_path / "out_d"), "--drafter", str(tmp_path / "drafter"), "--platforms", "neuron"]
+    assert cli.main(drafted) == 0
+    out = capsys.readouterr().out
+    assert "drafter " in out and "randomly" not in out and "lint: clean" in out
+
     def one_finding(text, **_):
         return [Finding("int64", 1, "a 64-bit integer tensor")] if "@jit_decode_step" in text else []
 
