@@ -43,6 +43,8 @@ def test_every_tp_gives_the_same_tokens(tp_runs):
         for name in ("plain", "parallel", "fused", "sharded_drafter"):
             if name in runs:
                 assert runs[name] == reference, (tp, name)
+    sharded = {name for tp, runs in tp_runs["runs"].items() if tp not in ("none", "1") for name in runs}
+    assert {"plain", "parallel", "fused", "sharded_drafter"} <= sharded
 
 
 def test_weights_and_cache_are_split_over_kv_heads(tp_runs):
