@@ -78,9 +78,18 @@ class Generator:
         prefill_buckets: Sequence[int] = PREFILL_BUCKETS,
         batch_buckets: Sequence[int] = BATCH_BUCKETS,
         slack: int = 0,
+        mesh=None,
     ):
+        """``mesh`` (a :func:`peagle_jax.sharding.make_mesh` mesh) runs tensor-parallel: the parameters and
+        every KV cache are placed sharded on it, and jit partitions the graphs."""
         if max_seq_len < 2:
             raise RequestError(f"max_seq_len must be >= 2, got {max_seq_len}")
+        self.mesh = mesh
+        if mesh is not None and params is not None:
+            from peagle_jax import sharding
+
+            sharding.check_tp(mesh.size, num_kv_heads=cfg.num_kv_heads, intermediate_size=cfg.intermediate_size)
+            params = sharding.shard_params(params, mesh)
         self.cfg, self.params, self.max_seq_len = cfg, params, max_seq_len
         self.prefill_buckets = tuple(b for b in sorted(prefill_buckets) if b <= max_seq_len) or (max_seq_len,)
         self.batch_buckets = tuple(sorted(batch_buckets))
@@ -122,6 +131,10 @@ class Generator:
         largest bucket. ``on_chunk(out, start, T)`` sees each chunk's output (the speculative generator
         seeds its drafter from the aux hidden states). Returns (last-token logits [batch, V], cache)."""
         cache = model.new_cache(self.cfg, batch, self.num_slots)
+        if self.mesh is not None:
+            from peagle_jax.sharding import shard_cache
+
+            cache = shard_cache(cache, self.mesh)
         lengths = np.array([len(p) for p in prompts] + [1] * (batch - len(prompts)), np.int32)
         chunk = self.prefill_buckets[-1]
         logits = None
@@ -184,10 +197,12 @@ class Generator:
         Returns the seconds spent."""
         t0 = time.perf_counter()
         B = bucket(batch, self.batch_buckets)
-        _, cache = self.prefill([[0] * prompt_len] * B, B)
+        logits, cache = self.prefill([[0] * prompt_len] * B, B)
         sampling = SamplingParams.make(B)
         seeds = jnp.zeros(B, jnp.uint32)
-        tokens = jnp.zeros(B, jnp.int32)
+        # The first token comes from the same graph as in :meth:`stream` (so its placement matches too: with a
+        # mesh, a token array placed differently would compile the decode step again).
+        tokens = sample_jit(logits, sampling, seeds, jnp.full(B, prompt_len, jnp.int32), greedy_only=greedy_only)
         first, last = self.window(prompt_len + 1), self.window(prompt_len + max_new_tokens)
         for w in self.window_buckets:
             if first <= w <= last:

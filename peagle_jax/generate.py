@@ -55,6 +55,25 @@ def build_parser() -> argparse.ArgumentParser:
         default="float32",
         help="weights and compute dtype: float32 on CPU (default), bfloat16 on accelerators",
     )
+    p.add_argument(
+        "--platform",
+        choices=["cpu", "gpu", "tpu", "neuron"],
+        default="cpu",
+        help="JAX backend: cpu (default), gpu, tpu, or neuron (Trainium/Inferentia through the jax-neuronx "
+        "plugin); an accelerator whose plugin is missing is refused with the install command",
+    )
+    p.add_argument(
+        "--compilation-cache",
+        default=None,
+        help="JAX persistent compilation cache directory, or 'none' to disable (default ~/.cache/peagle_jax/jax-cache)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree: shard the target over this many devices of --platform (must divide its kv "
+        "heads; default 1)",
+    )
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument(
         "--drafter",
@@ -118,7 +137,7 @@ def encode_prompt(args, tokenizer) -> list[int]:
     return tokenizer.encode(args.prompt)
 
 
-def speculative_generator(args, model_dir):
+def speculative_generator(args, model_dir, mesh=None):
     """Target + drafter, with the drafter's aux taps applied to the target."""
     from peagle_jax.checkpoint import load_target_any
     from peagle_jax.drafter.load import load_drafter
@@ -138,10 +157,22 @@ def speculative_generator(args, model_dir):
         sequential=args.sequential,
         fused=args.fused,
         max_seq_len=args.max_seq_len,
+        mesh=mesh,
     )
 
 
 def run(args) -> dict:
+    from peagle_jax.platform import default_cache_dir, select_platform
+
+    cache = args.compilation_cache or default_cache_dir()
+    devices = select_platform(args.platform, compilation_cache=None if str(cache) == "none" else cache)
+    mesh = None
+    if args.tp != 1:
+        from peagle_jax.sharding import make_mesh
+
+        if args.tp < 1:
+            raise UserError(f"--tp must be >= 1, got {args.tp}")
+        mesh = make_mesh(args.tp, devices)
     from peagle_jax.checkpoint import load_target_any
     from peagle_jax.engine import Generator
     from peagle_jax.sampling import check_sampling_args
@@ -158,9 +189,9 @@ def run(args) -> dict:
     prompt = encode_prompt(args, tokenizer)
     if args.drafter is None:
         cfg, params = load_target_any(model_dir, dtype=args.dtype)
-        gen = Generator(cfg, params, max_seq_len=args.max_seq_len)
+        gen = Generator(cfg, params, max_seq_len=args.max_seq_len, mesh=mesh)
     else:
-        gen = speculative_generator(args, model_dir)
+        gen = speculative_generator(args, model_dir, mesh)
         cfg = gen.cfg
     stop_ids = set(cfg.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:

@@ -45,24 +45,64 @@ def check_sampling_args(temperature: float, top_k: int, top_p: float) -> None:
         raise UserError(f"top_p must be in (0, 1], got {top_p}")
 
 
+def _order_keys(x):
+    """uint32 keys whose unsigned order is the float32 order of ``x`` (-0.0 is folded onto +0.0, so equal
+    floats get equal keys): non-negative floats get their bits with the sign bit set, negative floats
+    their bits inverted."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x).astype(jnp.float32), jnp.uint32)
+    negative = (bits >> 31) == 1
+    return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _largest_key_where(holds, batch: int):
+    """Per row, the largest uint32 key ``u`` with ``holds(u)`` true, for a predicate ``holds([B, 1] keys)
+    -> [B]`` that is true at 0 and monotone (true up to some key, false above). Built bit by bit from the
+    top: 32 static steps of one comparison and one reduction over the row each, no sort, no loop."""
+    ans_B = jnp.zeros((batch,), jnp.uint32)
+    for bit in range(31, -1, -1):
+        cand_B = ans_B | jnp.uint32(1 << bit)
+        ans_B = jnp.where(holds(cand_B[:, None]), cand_B, ans_B)
+    return ans_B
+
+
 def processed_logits(logits_BV, params: SamplingParams):
     """Logits after temperature, top-k and top-p, with removed tokens at -inf (rows with temperature 0 are
-    left at temperature 1; :func:`sample` treats them greedily)."""
-    V = logits_BV.shape[-1]
+    left at temperature 1; :func:`sample` treats them greedily).
+
+    Definitions (on the temperature-scaled logits, ties included): top-k keeps every token whose logit is
+    >= the k-th largest logit; top-p then keeps, in descending order, each token whose preceding mass is
+    below ``top_p`` (the first always), the mass being softmax over exactly the k top-ranked tokens; a row
+    keeps every token at or above both thresholds. ``top_p >= 1`` keeps everything top-k kept.
+
+    No sort (Neuron cannot sort a 49152-wide vocabulary): both thresholds are found by a bitwise search over
+    order-preserving integer keys of the logits. The k-th largest logit is the largest key with at least k
+    tokens at or above it. The top-p cut-off is the largest key whose mass at or above it reaches
+    ``top_p``: the tokens strictly above it have mass below ``top_p`` and every smaller kept value would
+    need more. Both land exactly on a logit value, so the filter is the sorted definition's, up to the
+    rounding of the mass sums at a boundary.
+    """
+    B, V = logits_BV.shape
     temp_B1 = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
     scaled_BV = logits_BV.astype(jnp.float32) / temp_B1
-    sorted_BV = -jnp.sort(-scaled_BV, axis=-1)
-    k_B = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, V), V)
-    kth_B1 = jnp.take_along_axis(sorted_BV, (k_B - 1)[:, None], axis=-1)
-    ranks_V = jnp.arange(V, dtype=jnp.int32)[None, :]
-    sorted_BV = jnp.where(ranks_V < k_B[:, None], sorted_BV, -jnp.inf)
-    # top-p over what top-k kept: keep the smallest prefix whose probability reaches top_p (at least one).
-    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
-    before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-    keep_BV = (before_BV < params.top_p[:, None]) | (ranks_V == 0)
-    cutoff_B1 = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
-    threshold_B1 = jnp.maximum(kth_B1, cutoff_B1)
-    return jnp.where(scaled_BV >= threshold_B1, scaled_BV, -jnp.inf)
+    keys_BV = _order_keys(scaled_BV)
+    k_B = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, V), V).astype(jnp.int32)
+    kth_key_B = _largest_key_where(lambda u_B1: jnp.sum((keys_BV >= u_B1).astype(jnp.int32), axis=-1) >= k_B, B)
+    at_or_above_kth_BV = keys_BV >= kth_key_B[:, None]
+    kth_B1 = jnp.max(jnp.where(keys_BV == kth_key_B[:, None], scaled_BV, -jnp.inf), axis=-1, keepdims=True)
+    # Softmax over the k top-ranked tokens: those above the k-th value, plus as many tokens tied at it as
+    # fill k (``m`` of them).
+    above_BV = keys_BV > kth_key_B[:, None]
+    m_B1 = (k_B - jnp.sum(above_BV.astype(jnp.int32), axis=-1))[:, None].astype(jnp.float32)
+    top_B1 = jnp.max(scaled_BV, axis=-1, keepdims=True)
+    e_BV = jnp.where(above_BV, jnp.exp(scaled_BV - top_B1), 0.0)
+    z_B1 = jnp.sum(e_BV, axis=-1, keepdims=True) + m_B1 * jnp.exp(kth_B1 - top_B1)
+    probs_BV = jnp.where(at_or_above_kth_BV, jnp.exp(scaled_BV - top_B1) / z_B1, 0.0)
+    top_p_B = params.top_p.astype(jnp.float32)
+    cut_key_B = _largest_key_where(
+        lambda u_B1: jnp.sum(jnp.where(keys_BV >= u_B1, probs_BV, 0.0), axis=-1) >= top_p_B, B
+    )
+    cut_key_B = jnp.where(top_p_B >= 1.0, kth_key_B, jnp.maximum(cut_key_B, kth_key_B))
+    return jnp.where(keys_BV >= cut_key_B[:, None], scaled_BV, -jnp.inf)
 
 
 def _mix32(x):
@@ -87,7 +127,7 @@ def uniforms(seeds_B, positions_B, n: int, stream: int = 0):
 
 def sample(logits_BV, params: SamplingParams, seeds_B, positions_B, *, greedy_only: bool = False):
     """One token per row, int32 [B], for the token at ``positions_B``. ``greedy_only`` (static) skips the
-    sort when every row is greedy. The draw is Gumbel-max over the filtered logits."""
+    filters when every row is greedy. The draw is Gumbel-max over the filtered logits."""
     greedy_B = argmax_first(logits_BV, axis=-1)
     if greedy_only:
         return greedy_B

@@ -81,6 +81,12 @@ def fused_step(
     return out, cache, dcache
 
 
+def cache_slack(tree: Tree) -> int:
+    """Cache slots a step may write past the committed length: the root + tree nodes (verify) and the
+    K - 1 mask slots past the context (draft), with room to spare."""
+    return tree.size + 2 * tree.depth + 2
+
+
 @dataclasses.dataclass
 class SpecStats:
     """Counters over everything generated so far (all rows)."""
@@ -114,8 +120,11 @@ class SpeculativeGenerator(Generator):
         sequential: bool = False,
         fused: bool = False,
         max_seq_len: int = 2048,
+        shard_drafter: bool = False,
         **kwargs,
     ):
+        """With ``mesh`` (tensor parallelism) the drafter is replicated on it, or sharded by the target's
+        rules when ``shard_drafter``."""
         tree = tree or chain(k or dcfg.speculative_tokens)
         if k is not None and tree.depth != k:
             raise RequestError(f"--tree uses depth {tree.depth} but --k is {k}")
@@ -131,7 +140,22 @@ class SpeculativeGenerator(Generator):
         if tree.width > dcfg.draft_vocab_size:
             raise RequestError(f"--tree needs {tree.width} candidates per depth; the draft vocab has fewer")
         # A step writes the root + tree nodes past the committed length; the draft window K - 1 mask slots.
-        super().__init__(cfg, params, max_seq_len=max_seq_len, slack=tree.size + 2 * tree.depth + 2, **kwargs)
+        super().__init__(cfg, params, max_seq_len=max_seq_len, slack=cache_slack(tree), **kwargs)
+        self.shard_drafter = shard_drafter
+        if self.mesh is not None:
+            from peagle_jax import sharding
+
+            if shard_drafter:
+                lc = dcfg.layer
+                sharding.check_tp(
+                    self.mesh.size,
+                    num_kv_heads=lc.num_kv_heads,
+                    intermediate_size=lc.intermediate_size,
+                    what="the drafter",
+                )
+                dparams = sharding.shard_params(dparams, self.mesh)
+            else:
+                dparams = sharding.replicate(dparams, self.mesh)
         self.dcfg, self.dparams, self.tree, self.sequential, self.fused = dcfg, dparams, tree, sequential, fused
         self.K = tree.depth
         self.mask_g = None if sequential else fused_mask_hidden(dparams, cfg=dcfg)
@@ -169,6 +193,10 @@ class SpeculativeGenerator(Generator):
 
         t0 = time.perf_counter()
         dcache = new_drafter_cache(self.dcfg, B, self.num_slots)
+        if self.mesh is not None:
+            from peagle_jax import sharding
+
+            dcache = (sharding.shard_cache if self.shard_drafter else sharding.replicate)(dcache, self.mesh)
         last_aux = [None]
 
         def seed_drafter(out, start, T):
@@ -217,6 +245,9 @@ class SpeculativeGenerator(Generator):
             t0 = time.perf_counter()
             window = self.window(int(q[~done].max()) + self.tree.size + 1)
             if self.fused:
+                # One window for both halves (the larger: a wider window is always safe), so the fused
+                # graphs are one per window bucket, not one per (draft window, verify window) pair.
+                window = max(window, self._draft_window(ctx_start))
                 out, cache, dcache = fused_step(
                     self.params,
                     cache,
@@ -236,7 +267,7 @@ class SpeculativeGenerator(Generator):
                     dcfg=self.dcfg,
                     tree=self.tree,
                     sequential=self.sequential,
-                    draft_window=self._draft_window(ctx_start),
+                    draft_window=window,
                     window=window,
                     greedy_only=greedy_only,
                 )
@@ -286,8 +317,9 @@ class SpeculativeGenerator(Generator):
             yield gained
 
     def warmup(self, batch: int, prompt_len: int, max_new_tokens: int, *, greedy_only: bool = True) -> float:
-        """Compile the prefill, draft and verify graphs of a request of this size by running a short one on
-        a scratch prompt (graphs for larger attention windows compile when a run first reaches them)."""
+        """Compile every graph a request of this size can call, before it arrives: a short run on a scratch
+        prompt (prefills, first-token sampling, the first windows), then the draft and verify (or fused)
+        graphs of each larger attention window the request can reach, on scratch caches."""
         t0 = time.perf_counter()
         self.generate(
             [[0] * prompt_len] * batch,
@@ -295,5 +327,77 @@ class SpeculativeGenerator(Generator):
             stop_token_ids=[],
             temperature=0.0 if greedy_only else 1.0,
         )
+        self._warm_windows(batch, prompt_len, max_new_tokens, greedy_only)
         self.spec = SpecStats(accepted_per_position=[0] * self.K)
         return time.perf_counter() - t0
+
+    def _warm_windows(self, batch: int, prompt_len: int, max_new_tokens: int, greedy_only: bool) -> None:
+        """One call per window bucket, with the root (q) and the draft context start placed so that the host
+        loop's window rules (see :meth:`stream`) pick exactly that bucket. Outputs are discarded."""
+        from peagle_jax import model
+        from peagle_jax.engine import bucket
+        from peagle_jax.sampling import SamplingParams
+
+        B, K, size, C = bucket(batch, self.batch_buckets), self.K, self.tree.size, self.K + 1
+        last = prompt_len + max_new_tokens
+        verify_windows = {self.window(q + size + 1) for q in range(prompt_len, last + 1)}
+        draft_windows = {self._draft_window(np.asarray([s])) for s in range(prompt_len - 1, last + 1)}
+        cache = model.new_cache(self.cfg, B, self.num_slots)
+        dcache = new_drafter_cache(self.dcfg, B, self.num_slots)
+        if self.mesh is not None:
+            from peagle_jax import sharding
+
+            cache = sharding.shard_cache(cache, self.mesh)
+            dcache = (sharding.shard_cache if self.shard_drafter else sharding.replicate)(dcache, self.mesh)
+        X = len(self.cfg.aux_layer_ids) * self.cfg.hidden_size
+        tokens, count = np.zeros((B, C), np.int32), np.ones(B, np.int32)
+        aux = jnp.zeros((B, C, X), self.cfg.jnp_dtype)
+        sampling = SamplingParams.make(B, 0.0 if greedy_only else 1.0)
+        seeds, root = jnp.zeros(B, jnp.uint32), jnp.zeros(B, jnp.int32)
+        out = None
+        windows = sorted(verify_windows | draft_windows) if self.fused else sorted(verify_windows)
+        for w in windows:
+            q = jnp.full(B, max(w - size - 1, 0), jnp.int32)
+            start = np.full(B, max(w - 2 * K - 1, 0), np.int32)
+            if self.fused:
+                out, cache, dcache = fused_step(
+                    self.params,
+                    cache,
+                    self.dparams,
+                    dcache,
+                    jnp.asarray(tokens),
+                    aux,
+                    jnp.asarray(count),
+                    jnp.asarray(start),
+                    self.mask_g,
+                    self.embed,
+                    root,
+                    q,
+                    seeds,
+                    sampling,
+                    cfg=self.cfg,
+                    dcfg=self.dcfg,
+                    tree=self.tree,
+                    sequential=self.sequential,
+                    draft_window=w,
+                    window=w,
+                    greedy_only=greedy_only,
+                )
+            else:
+                out, cache = verify(
+                    self.params,
+                    cache,
+                    root,
+                    jnp.zeros((B, K, self.tree.width), jnp.int32),
+                    q,
+                    seeds,
+                    sampling,
+                    cfg=self.cfg,
+                    tree=self.tree,
+                    window=w,
+                    greedy_only=greedy_only,
+                )
+        for w in [] if self.fused else sorted(draft_windows):
+            start = np.full(B, max(w - 2 * K - 1, 0), np.int32)
+            out, dcache = self._draft(dcache, tokens, aux, count, start)
+        jax.block_until_ready(out)

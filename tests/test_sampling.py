@@ -72,3 +72,65 @@ def test_uniforms_are_uniform_and_independent_of_the_batch():
     assert abs(np.corrcoef(u[:, :-1].ravel(), u[:, 1:].ravel())[0, 1]) < 0.01
     alone = np.asarray(uniforms(jnp.asarray([3], jnp.uint32), jnp.asarray([5], jnp.int32), 1000))
     np.testing.assert_array_equal(alone[0], u[3])
+
+
+def _sorted_reference(logits_BV, params: SamplingParams):
+    """The sort-based filter this module used before the sort-free one (the definition, written with a
+    sort over the vocabulary): kept here to check that the two filter identically."""
+    V = logits_BV.shape[-1]
+    temp_B1 = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
+    scaled_BV = logits_BV.astype(jnp.float32) / temp_B1
+    sorted_BV = -jnp.sort(-scaled_BV, axis=-1)
+    k_B = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, V), V)
+    kth_B1 = jnp.take_along_axis(sorted_BV, (k_B - 1)[:, None], axis=-1)
+    ranks_V = jnp.arange(V, dtype=jnp.int32)[None, :]
+    sorted_BV = jnp.where(ranks_V < k_B[:, None], sorted_BV, -jnp.inf)
+    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+    keep_BV = (before_BV < params.top_p[:, None]) | (ranks_V == 0)
+    cutoff_B1 = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+    threshold_B1 = jnp.maximum(kth_B1, cutoff_B1)
+    return jnp.where(scaled_BV >= threshold_B1, scaled_BV, -jnp.inf)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("V", [7, 1000, 49152])
+def test_sort_free_filter_equals_the_sorted_definition(ties, V):
+    """Random logits (with many ties when ``ties``: integers, and -0.0 next to 0.0), random per-row
+    temperature, top-k and top-p: the sort-free filter keeps exactly the tokens the sorted one keeps."""
+    rng = np.random.RandomState(V + ties)
+    B = 64
+    if ties:
+        logits = rng.randint(-3, 4, (B, V)).astype(np.float32)
+        logits[:, : V // 3] *= -1  # -0.0 where 0
+    else:
+        logits = (rng.randn(B, V) * rng.uniform(0.5, 4, (B, 1))).astype(np.float32)
+    temperature = rng.choice([0.0, 0.3, 1.0, 1.7], B)
+    top_k = rng.choice([0, 1, 2, 5, 50, V - 1, V, V + 3], B)
+    top_p = rng.choice([0.05, 0.3, 0.5, 0.9, 0.999], B)
+    params = SamplingParams.make(B, temperature, top_k, top_p)
+    new = np.asarray(jax.jit(processed_logits)(jnp.asarray(logits), params))
+    ref = np.asarray(jax.jit(_sorted_reference)(jnp.asarray(logits), params))
+    # Equal everywhere, except where a token's preceding mass equals top_p up to float32 rounding (the two
+    # sum the same probabilities in different orders): there the float64 mass decides, and the sort-free
+    # filter must agree with it.
+    differ = np.argwhere(np.isfinite(new) != np.isfinite(ref))
+    assert len(differ) <= 2, differ
+    for b, v in differ:
+        scaled = logits[b].astype(np.float64) / (temperature[b] if temperature[b] > 0 else 1.0)
+        k = min(top_k[b], V) if top_k[b] > 0 else V
+        top = np.sort(scaled)[::-1][:k]
+        mass_before = np.exp(top[top > scaled[v]] - top[0]).sum() / np.exp(top - top[0]).sum()
+        assert abs(mass_before - top_p[b]) < 1e-6, (b, v, mass_before, top_p[b])
+        assert np.isfinite(new[b, v]) == (mass_before < top_p[b])
+    same = np.isfinite(new) == np.isfinite(ref)
+    np.testing.assert_array_equal(new[same], ref[same])
+
+
+def test_top_p_one_keeps_all_that_top_k_kept():
+    """``top_p = 1`` is off exactly, even where a float cumulative sum would reach 1 before the tail."""
+    rng = np.random.RandomState(3)
+    logits = jnp.asarray((rng.randn(8, 49152) * 6).astype(np.float32))
+    for k in (0, 100):
+        out = np.asarray(processed_logits(logits, SamplingParams.make(8, 1.0, k, 1.0)))
+        assert (np.isfinite(out).sum(-1) == (49152 if k == 0 else k)).all()

@@ -1,0 +1,131 @@
+"""``python -m peagle_jax.neuron``: export every graph for Neuron / TPU and lint it; plan a deployment.
+
+Examples::
+
+    python -m peagle_jax.neuron export --out /tmp/peagle-neuron
+    python -m peagle_jax.neuron export --model DIR --drafter DIR --buckets neuron/buckets.yaml --out OUT
+    python -m peagle_jax.neuron plan --instance trn1.2xlarge --tp 2 --k 7 --acceptance-length 3.5
+
+``export`` exits 0 when every graph is clean, 1 when the lint found anything (the findings are printed),
+2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from peagle_jax.errors import UserError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m peagle_jax.neuron", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export", help="export every graph with jax.export for neuron and tpu, and lint it")
+    e.add_argument("--model", default="smollm2", help="target model directory, or 'smollm2' (default)")
+    e.add_argument(
+        "--drafter",
+        help="drafter directory (default: a randomly initialised 2-layer P-EAGLE drafter of the target's shape; "
+        "a graph's shapes do not depend on the weights)",
+    )
+    e.add_argument("--buckets", help="serving buckets YAML (default: the built-in small set, see neuron/README.md)")
+    e.add_argument("--out", required=True, help="output directory")
+    e.add_argument(
+        "--platforms", default="neuron,tpu", help="comma-separated jax.export platforms (default neuron,tpu)"
+    )
+    e.add_argument("--no-write", action="store_true", help="lint only; write nothing but the manifest")
+    e.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="export the tensor-parallel graphs for this many devices (NeuronCores); must divide the kv heads",
+    )
+    from peagle_jax.neuron.plan import add_plan_parser
+
+    add_plan_parser(sub)
+    return p
+
+
+def target_config(model: str, dtype: str, aux_layer_ids=None):
+    """The target's config only (no weights): Hugging Face or converted JAX directory, or 'smollm2'."""
+    from peagle_jax.checkpoint import is_jax_checkpoint, read_meta
+    from peagle_jax.config import from_hf_config, read_config_json
+    from peagle_jax.generate import resolve_model_dir
+
+    path = resolve_model_dir(model)
+    config = read_meta(path).config if is_jax_checkpoint(path) else read_config_json(path)
+    return from_hf_config(config, dtype=dtype, aux_layer_ids=aux_layer_ids)
+
+
+def run_export(args) -> int:
+    import jax
+    from tqdm import tqdm
+
+    from peagle_jax.neuron.buckets import load_buckets
+    from peagle_jax.neuron.export import export_all
+    from peagle_jax.neuron.graphs import all_graphs, random_drafter_config
+
+    buckets = load_buckets(args.buckets)
+    platforms = tuple(p.strip() for p in args.platforms.split(",") if p.strip())
+    if not platforms:
+        raise UserError("--platforms is empty")
+    if args.drafter:
+        from peagle_jax.drafter.load import load_drafter
+
+        dcfg, _ = load_drafter(args.drafter, dtype=buckets.dtype)
+        cfg = target_config(args.model, buckets.dtype, dcfg.aux_layer_ids)
+        drafter_note = f"drafter {args.drafter} ({dcfg.algorithm}, {dcfg.layer.num_layers} layers)"
+    else:
+        cfg = target_config(args.model, buckets.dtype)
+        dcfg = random_drafter_config(cfg)
+        drafter_note = (
+            "no --drafter: a randomly initialised 2-layer P-EAGLE drafter of the target's shape "
+            "(graph shapes do not depend on weights; no trained drafter ships yet)"
+        )
+    if args.tp < 1:
+        raise UserError(f"--tp must be >= 1, got {args.tp}")
+    graphs = all_graphs(cfg, dcfg, buckets, tp=args.tp)
+    print(f"target: {args.model} ({cfg.family}, {cfg.num_layers} layers, vocab {cfg.vocab_size}, {cfg.dtype})")
+    print(drafter_note)
+    print(f"buckets: {buckets}" + (f"; tensor parallel over {args.tp} devices" if args.tp > 1 else ""))
+    print(f"{len(graphs)} graphs x platforms {', '.join(platforms)} (jax {jax.__version__}) -> {args.out}")
+    bar = tqdm(total=len(graphs), desc="export + lint", file=sys.stderr)
+    try:
+        findings = export_all(
+            graphs, Path(args.out), platforms, write=not args.no_write, progress=lambda _: bar.update()
+        )
+    except ValueError as err:
+        raise UserError(f"export failed: {err}") from None
+    finally:
+        bar.close()
+    bad = 0
+    for name, per_platform in findings.items():
+        for platform, found in per_platform.items():
+            for f in found:
+                bad += 1
+                print(f"{platform}/{name}.mlir: {f}")
+    if bad:
+        print(f"lint: {bad} finding(s); see above. These graphs are not Neuron-ready.")
+        return 1
+    print(f"lint: clean ({len(graphs)} graphs, {len(platforms)} platforms)")
+    if "neuron" in platforms and not args.no_write:
+        print(f"compile them on a Neuron host with: sh {Path(args.out) / 'neuron' / 'compile.sh'}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "export":
+            return run_export(args)
+        from peagle_jax.neuron.plan import run_plan
+
+        return run_plan(args)
+    except (UserError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Serving buckets: the static shapes a deployment compiles, read from YAML.
+
+On Neuron every distinct shape is one NEFF compiled ahead of time (minutes each for a large model), so a
+deployment lists its shapes up front. The graph set follows from these fields exactly as the generators
+derive it (:class:`peagle_jax.engine.Generator`): batch buckets; prompt-length (prefill) buckets, the
+largest being the chunk long prompts are split into; ``max_seq_len``, which sets the KV cache slots and
+the attention-window buckets; the draft lengths K (a chain each) and static trees; and which graph
+families to build. Example (``neuron/buckets.yaml``)::
+
+    batch_buckets: [1, 4]
+    prefill_buckets: [32, 128]
+    max_seq_len: 256
+    k_values: [4]
+    trees: ["0,1,00,10"]
+    sequential: true   # also the EAGLE-3 sequential draft graphs
+    fused: true        # also the fused draft + verify graphs
+    sampling: true     # also the sampling variants (temperature > 0), besides greedy
+    dtype: bfloat16
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import yaml
+
+from peagle_jax.errors import UserError
+
+
+class BucketsError(UserError):
+    """A bucket config that cannot be used; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingBuckets:
+    batch_buckets: tuple[int, ...] = (1, 4)
+    prefill_buckets: tuple[int, ...] = (128,)
+    max_seq_len: int = 256
+    k_values: tuple[int, ...] = (4,)
+    trees: tuple[str, ...] = ()
+    sequential: bool = False
+    fused: bool = False
+    sampling: bool = True
+    dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        for name in ("batch_buckets", "prefill_buckets", "k_values"):
+            values = getattr(self, name)
+            if not values or any(not isinstance(v, int) or v < 1 for v in values):
+                raise BucketsError(f"{name} must be a non-empty list of positive integers, got {list(values)}")
+        if self.max_seq_len < 2:
+            raise BucketsError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise BucketsError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+
+
+def load_buckets(path: str | Path | None = None, **overrides) -> ServingBuckets:
+    """The defaults, updated from a YAML file (if given), then from keyword overrides."""
+    values: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise BucketsError(f"--buckets {path}: no such file")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise BucketsError(f"{path}: not valid YAML ({err})") from None
+        if not isinstance(loaded, dict):
+            raise BucketsError(f"{path}: expected a mapping of bucket fields")
+        values.update(loaded)
+    values.update(overrides)
+    fields = {f.name for f in dataclasses.fields(ServingBuckets)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise BucketsError(f"unknown bucket field(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
+    for name in ("batch_buckets", "prefill_buckets", "k_values", "trees"):
+        if name in values:
+            v = values[name]
+            values[name] = tuple(v) if isinstance(v, list | tuple) else (v,)
+    return ServingBuckets(**values)

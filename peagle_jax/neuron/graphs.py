@@ -1,0 +1,298 @@
+"""Every device graph the generators call, for a set of serving buckets, with abstract inputs.
+
+A graph is one jitted entry point with its static arguments bound and its inputs given as
+``jax.ShapeDtypeStruct``: exporting needs shapes only, so a full-size model is exported without its
+weights in memory (parameters come from ``jax.eval_shape`` of the initialiser).
+
+The set mirrors what :class:`peagle_jax.engine.Generator` and
+:class:`peagle_jax.speculative.SpeculativeGenerator` can call with these buckets, derived with their own
+bucket logic (cache slots, window buckets): for each batch bucket B,
+
+- plain decoding: ``prefill`` per (prompt bucket, attention window) a chunked prompt can reach, the
+  first-token ``sample``, ``decode_step`` per window (greedy and, with ``sampling``, sampling);
+- per draft shape (each K as a chain, each tree): the target ``prefill`` and the ``drafter_prefill`` over
+  the speculative cache (it has more slots), ``parallel_draft`` and (with ``sequential``)
+  ``sequential_draft`` per draft window, ``verify`` per window, and (with ``fused``) ``fused_step`` per
+  window (it runs draft and verify at one window);
+- once: ``fused_mask_hidden`` (run at load).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
+
+from peagle_jax import model
+from peagle_jax.config import ModelConfig
+from peagle_jax.drafter.config import DrafterConfig
+from peagle_jax.drafter.draft import drafter_prefill, fused_mask_hidden, parallel_draft, sequential_draft
+from peagle_jax.drafter.model import init_drafter_params, new_drafter_cache
+from peagle_jax.engine import Generator, decode_step, sample_jit
+from peagle_jax.neuron.buckets import ServingBuckets
+from peagle_jax.sampling import SamplingParams
+from peagle_jax.sharding import AXIS, CACHE_SPEC, check_tp, param_shardings
+from peagle_jax.speculative import cache_slack, fused_step
+from peagle_jax.verify import Tree, chain, parse_tree, verify
+
+
+@dataclasses.dataclass(frozen=True)
+class Graph:
+    """One entry point with its static arguments: ``fn(*args, **static)`` (args abstract)."""
+
+    name: str
+    fn: Callable
+    args: tuple
+    static: dict[str, Any]
+
+
+def sds(shape, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
+
+
+def abstract_params(cfg: ModelConfig):
+    return jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+
+
+def abstract_drafter_params(dcfg: DrafterConfig):
+    return jax.eval_shape(lambda: init_drafter_params(dcfg, jax.random.key(0)))
+
+
+def random_drafter_config(cfg: ModelConfig, layers: int = 2) -> DrafterConfig:
+    """A P-EAGLE drafter of the target's shape (width, heads, vocabulary), ``layers`` deep, reading the
+    target's aux taps; for SmolLM2 this is the SmolLM2-sized drafter of ``peagle_jax.bench.draft``."""
+    layer = cfg.replace(num_layers=layers, aux_layer_ids=(0,), tie_word_embeddings=True)
+    return DrafterConfig(
+        layer=layer,
+        algorithm="peagle",
+        mask_token_id=0,
+        target_hidden_size=cfg.hidden_size,
+        num_aux=len(cfg.aux_layer_ids),
+        aux_layer_ids=cfg.aux_layer_ids,
+    )
+
+
+def _sampling(B):
+    return SamplingParams(sds((B,), jnp.float32), sds((B,), jnp.int32), sds((B,), jnp.float32))
+
+
+def _placed(tree, shardings):
+    """Abstract arrays carrying shardings (a tree of them, or one for every leaf)."""
+    if isinstance(shardings, NamedSharding):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings), tree)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _cache(cfg: ModelConfig, B: int, S: int, mesh=None):
+    cache = jax.eval_shape(lambda: model.new_cache(cfg, B, S))
+    return cache if mesh is None else _placed(cache, NamedSharding(mesh, CACHE_SPEC))
+
+
+def _dcache(dcfg: DrafterConfig, B: int, S: int, mesh=None):
+    cache = jax.eval_shape(lambda: new_drafter_cache(dcfg, B, S))
+    return cache if mesh is None else _placed(cache, NamedSharding(mesh, PartitionSpec()))
+
+
+def abstract_mesh(tp: int):
+    """A ``tp``-device mesh of no particular devices: enough to export partitioned graphs on one CPU."""
+    return AbstractMesh((tp,), (AXIS,), axis_types=(AxisType.Auto,))
+
+
+def _prefill_windows(gen: Generator, max_seq_len: int) -> list[tuple[int, int]]:
+    """(prompt bucket T, window) pairs a chunked prefill can call (see ``Generator.prefill``)."""
+    chunk = gen.prefill_buckets[-1]
+    pairs = set()
+    for start in range(0, max_seq_len, chunk):
+        for T in gen.prefill_buckets:
+            pairs.add((T, gen.window(start + T)))
+    return sorted(pairs)
+
+
+def _windows_up_to(gen: Generator, n: int) -> list[int]:
+    return [w for w in gen.window_buckets if w <= gen.window(n)]
+
+
+def tree_name(tree: Tree) -> str:
+    return f"chain{tree.depth}" if tree.is_chain else f"tree{tree.size}d{tree.depth}w{tree.width}"
+
+
+def plain_graphs(cfg, params, buckets: ServingBuckets, mesh=None) -> list[Graph]:
+    gen = Generator(
+        cfg,
+        None,
+        max_seq_len=buckets.max_seq_len,
+        prefill_buckets=buckets.prefill_buckets,
+        batch_buckets=buckets.batch_buckets,
+    )
+    S, V = gen.num_slots, cfg.vocab_size
+    greedy_modes = (True, False) if buckets.sampling else (True,)
+    out = []
+    for B in gen.batch_buckets:
+        cache = _cache(cfg, B, S, mesh)
+        ints = sds((B,), jnp.int32)
+        for T, W in _prefill_windows(gen, buckets.max_seq_len):
+            out.append(
+                Graph(
+                    f"prefill_b{B}_s{S}_t{T}_w{W}",
+                    model.prefill,
+                    (params, cache, sds((B, T), jnp.int32), ints, ints),
+                    dict(cfg=cfg, window=W),
+                )
+            )
+        for g in greedy_modes:
+            mode = "greedy" if g else "sampling"
+            out.append(
+                Graph(
+                    f"sample_b{B}_{mode}",
+                    sample_jit,
+                    (sds((B, V), jnp.float32), _sampling(B), sds((B,), jnp.uint32), ints),
+                    dict(greedy_only=g),
+                )
+            )
+            for W in _windows_up_to(gen, buckets.max_seq_len):
+                out.append(
+                    Graph(
+                        f"decode_b{B}_s{S}_w{W}_{mode}",
+                        decode_step,
+                        (params, cache, ints, ints, sds((B,), jnp.uint32), _sampling(B)),
+                        dict(cfg=cfg, greedy_only=g, window=W),
+                    )
+                )
+    return out
+
+
+def speculative_graphs(cfg, params, dcfg, dparams, buckets: ServingBuckets, tree: Tree, mesh=None) -> list[Graph]:
+    gen = Generator(
+        cfg,
+        None,
+        max_seq_len=buckets.max_seq_len,
+        prefill_buckets=buckets.prefill_buckets,
+        batch_buckets=buckets.batch_buckets,
+        slack=cache_slack(tree),
+    )
+    S, K, tn = gen.num_slots, tree.depth, tree_name(tree)
+    C, X = K + 1, len(cfg.aux_layer_ids) * cfg.hidden_size
+    dt = cfg.jnp_dtype
+    embed = None if dcfg.own_embedding else params["embed_tokens"]
+    mask_g = sds((dcfg.hidden_size,), dcfg.layer.jnp_dtype) if dcfg.parallel else None
+    greedy_modes = (True, False) if buckets.sampling else (True,)
+    draft_windows = _windows_up_to(gen, buckets.max_seq_len + 2 * K + 1)
+    verify_windows = _windows_up_to(gen, buckets.max_seq_len + tree.size + 1)
+    kinds = (["parallel"] if dcfg.parallel else []) + (["sequential"] if buckets.sequential else [])
+    out = []
+    for B in gen.batch_buckets:
+        cache, dcache = _cache(cfg, B, S, mesh), _dcache(dcfg, B, S, mesh)
+        ints = sds((B,), jnp.int32)
+        ctx = (sds((B, C), jnp.int32), sds((B, C, X), dt), ints, ints)
+        for T, W in _prefill_windows(gen, buckets.max_seq_len):
+            out.append(
+                Graph(
+                    f"prefill_b{B}_s{S}_t{T}_w{W}",
+                    model.prefill,
+                    (params, cache, sds((B, T), jnp.int32), ints, ints),
+                    dict(cfg=cfg, window=W),
+                )
+            )
+            out.append(
+                Graph(
+                    f"drafter_prefill_b{B}_s{S}_t{T}_w{W}",
+                    drafter_prefill,
+                    (dparams, dcache, sds((B, T), jnp.int32), sds((B, T, X), dt), ints, embed),
+                    dict(cfg=dcfg, window=W),
+                )
+            )
+        for Wd in draft_windows:
+            static = dict(cfg=dcfg, K=K, top_n=tree.width, window=Wd)
+            if "parallel" in kinds:
+                out.append(
+                    Graph(
+                        f"parallel_draft_b{B}_s{S}_{tn}_n{tree.width}_w{Wd}",
+                        parallel_draft,
+                        (dparams, dcache, *ctx, mask_g, embed),
+                        static,
+                    )
+                )
+            if "sequential" in kinds:
+                out.append(
+                    Graph(
+                        f"sequential_draft_b{B}_s{S}_{tn}_n{tree.width}_w{Wd}",
+                        sequential_draft,
+                        (dparams, dcache, *ctx, embed),
+                        static,
+                    )
+                )
+        for g in greedy_modes:
+            mode = "greedy" if g else "sampling"
+            verify_args = (
+                params,
+                cache,
+                ints,
+                sds((B, K, tree.width), jnp.int32),
+                ints,
+                sds((B,), jnp.uint32),
+                _sampling(B),
+            )
+            for W in verify_windows:
+                out.append(
+                    Graph(
+                        f"verify_b{B}_s{S}_{tn}_w{W}_{mode}",
+                        verify,
+                        verify_args,
+                        dict(cfg=cfg, tree=tree, window=W, greedy_only=g),
+                    )
+                )
+            if not buckets.fused:
+                continue
+            # The fused step runs both halves at one window, the larger of the two (see speculative.py).
+            for W in sorted(set(draft_windows) | set(verify_windows)):
+                for kind in kinds:
+                    seq = kind == "sequential"
+                    args = (
+                        params,
+                        cache,
+                        dparams,
+                        dcache,
+                        *ctx,
+                        None if seq else mask_g,
+                        embed,
+                        ints,
+                        ints,
+                        sds((B,), jnp.uint32),
+                        _sampling(B),
+                    )
+                    static = dict(
+                        cfg=cfg, dcfg=dcfg, tree=tree, sequential=seq, draft_window=W, window=W, greedy_only=g
+                    )
+                    out.append(Graph(f"fused_{kind}_b{B}_s{S}_{tn}_w{W}_{mode}", fused_step, args, static))
+    return out
+
+
+def all_graphs(cfg: ModelConfig, dcfg: DrafterConfig, buckets: ServingBuckets, tp: int = 1) -> list[Graph]:
+    """Every graph for these buckets, deduplicated by name (a graph shared by two draft shapes once).
+
+    With ``tp > 1`` the graphs are the tensor-parallel ones (:mod:`peagle_jax.sharding`): parameters and KV
+    cache carry their ``tp`` shardings over an abstract mesh, the drafter is replicated, and each exported
+    module is a ``tp``-device program for the compiler's partitioner."""
+    params, dparams = abstract_params(cfg), abstract_drafter_params(dcfg)
+    mesh = None
+    if tp > 1:
+        check_tp(tp, num_kv_heads=cfg.num_kv_heads, intermediate_size=cfg.intermediate_size)
+        mesh = abstract_mesh(tp)
+        params = _placed(params, param_shardings(params, mesh))
+        dparams = _placed(dparams, NamedSharding(mesh, PartitionSpec()))
+    graphs = plain_graphs(cfg, params, buckets, mesh)
+    trees = [chain(k) for k in buckets.k_values] + [parse_tree(t) for t in buckets.trees]
+    for tree in trees:
+        graphs += speculative_graphs(cfg, params, dcfg, dparams, buckets, tree, mesh)
+    if dcfg.parallel:
+        graphs.append(Graph("fused_mask_hidden", fused_mask_hidden, (dparams,), dict(cfg=dcfg)))
+    seen, unique = set(), []
+    for g in graphs:
+        if g.name not in seen:
+            seen.add(g.name)
+            unique.append(g)
+    return unique

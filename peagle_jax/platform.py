@@ -1,0 +1,109 @@
+"""Choosing the JAX backend (``--platform cpu|gpu|tpu|neuron``) and the compilation caches.
+
+:func:`select_platform` must run before anything touches a JAX device (it sets ``jax_platforms``). For an
+accelerator it first checks that its PJRT plugin is installed and, when it is not, raises a
+:class:`~peagle_jax.errors.UserError` whose one line says what to install; when the plugin is there but
+finds no device, the error says that too.
+
+Caches, so that a restart does not recompile (minutes per graph under neuronx-cc):
+
+- JAX's persistent compilation cache (``jax_compilation_cache_dir``), default
+  ``~/.cache/peagle_jax/jax-cache`` (:func:`default_cache_dir`), on every platform. jax-neuronx supports
+  JAX's caching API (its 0.1.2 release notes), so on Neuron it holds the compiled NEFF executables.
+- The Neuron compiler's own cache: ``NEURON_COMPILE_CACHE_URL`` (read by libneuronxla), default
+  ``~/.cache/peagle_jax/neuron-cache``, set only when the environment does not set it already; an existing
+  ``NEURON_CC_FLAGS`` is left as it is, otherwise it gets ``--cache_dir`` pointing at the same directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from peagle_jax.errors import UserError
+
+PLATFORMS = ("cpu", "gpu", "tpu", "neuron")
+NEURON_PIP = "https://pip.repos.neuron.amazonaws.com"
+# The Neuron 2.33.0 release (10/19/2026) set; jax-neuronx states support for JAX 0.7.0 to 0.10.0.
+NEURON_PACKAGES = ("jax-neuronx==0.10.0.1.0.14198", "libneuronxla==3.0.10135.0", "neuronx-cc==2.28.7631.0")
+INSTALL = {
+    "neuron": f"pip install --extra-index-url {NEURON_PIP} {' '.join(NEURON_PACKAGES)} (on a trn1/trn2/inf2 "
+    "instance with the Neuron driver and runtime; see the README section 'Neuron and TPU')",
+    "tpu": "pip install 'jax[tpu]==0.10.2' (on a Cloud TPU VM)",
+    "gpu": "pip install 'jax[cuda12]==0.10.2' (on a machine with an NVIDIA GPU and driver)",
+}
+# jax_platforms names: jax calls the CUDA backend "cuda"; the jax-neuronx plugin registers "neuron".
+JAX_NAME = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu", "neuron": "neuron"}
+
+
+def cache_root() -> Path:
+    from peagle_jax.assets import cache_dir
+
+    return cache_dir()
+
+
+def default_cache_dir() -> Path:
+    return cache_root() / "jax-cache"
+
+
+def default_neuron_cache_dir() -> Path:
+    return cache_root() / "neuron-cache"
+
+
+def plugin_installed(platform: str) -> bool:
+    """Whether the PJRT plugin (or built-in backend) for ``platform`` is importable here."""
+    if platform == "cpu":
+        return True
+    plugins = {ep.name for ep in entry_points(group="jax_plugins")}
+    modules = {
+        "neuron": ("libneuronxla", "jax_neuronx"),
+        "tpu": ("libtpu",),
+        "gpu": ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"),
+    }[platform]
+    found = any(_has_module(m) for m in modules)
+    return found or any(platform in name or (platform == "gpu" and "cuda" in name) for name in plugins)
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def configure_caches(compilation_cache: str | Path | None, platform: str) -> None:
+    """JAX's persistent compilation cache (None disables it) and, on Neuron, the compiler's cache."""
+    import jax
+
+    if compilation_cache is not None:
+        path = Path(compilation_cache).expanduser()
+        path.mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", str(path))
+    if platform == "neuron":
+        neuron_cache = os.environ.setdefault("NEURON_COMPILE_CACHE_URL", str(default_neuron_cache_dir()))
+        if "NEURON_CC_FLAGS" not in os.environ:
+            os.environ["NEURON_CC_FLAGS"] = f"--cache_dir={neuron_cache}"
+
+
+def select_platform(platform: str, *, compilation_cache: str | Path | None = None):
+    """Make ``platform`` JAX's only backend, configure the caches, and return its devices.
+
+    Raises UserError (one line) for an unknown platform, a missing plugin (saying what to install) or a
+    backend that finds no device.
+    """
+    if platform not in PLATFORMS:
+        raise UserError(f"--platform {platform!r}: choose one of {', '.join(PLATFORMS)}")
+    if not plugin_installed(platform):
+        raise UserError(f"--platform {platform}: its JAX plugin is not installed; install it with: {INSTALL[platform]}")
+    import jax
+
+    jax.config.update("jax_platforms", JAX_NAME[platform])
+    configure_caches(compilation_cache, platform)
+    try:
+        devices = jax.devices()
+    except RuntimeError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"--platform {platform}: JAX found no {platform} device ({first})") from None
+    return devices

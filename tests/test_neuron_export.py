@@ -1,0 +1,228 @@
+"""Every graph the generators use exports for neuron and tpu and passes the Neuron lint: a tiny random
+model with every graph family, and the full-size SmolLM2 shapes (abstract, no weights)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from peagle_jax import model
+from peagle_jax.config import ModelConfig, RopeConfig
+from peagle_jax.engine import decode_step
+from peagle_jax.errors import UserError
+from peagle_jax.neuron.buckets import BucketsError, ServingBuckets, load_buckets
+from peagle_jax.neuron.export import NEURON_TARGETS, export_all, register_serialization
+from peagle_jax.neuron.graphs import all_graphs, random_drafter_config
+from peagle_jax.neuron.lint import Finding
+from peagle_jax.sampling import SamplingParams
+
+TINY = ModelConfig(
+    family="llama",
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+)
+# SmolLM2-135M-Instruct's config.json, as read by from_hf_config (hermetic: no download needed).
+SMOLLM2 = ModelConfig(
+    family="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope=RopeConfig(theta=100000.0),
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+    dtype="bfloat16",
+)
+EVERY_FAMILY = dict(
+    batch_buckets=(1, 2),
+    prefill_buckets=(16, 32),
+    max_seq_len=64,
+    k_values=(3,),
+    trees=("0,1,00",),
+    sequential=True,
+    fused=True,
+    sampling=True,
+)
+
+
+def kinds(graphs):
+    return {g.name.split("_b")[0] for g in graphs}
+
+
+def test_tiny_model_every_graph_exports_clean_for_neuron_and_tpu(tmp_path):
+    buckets = ServingBuckets(**EVERY_FAMILY, dtype="float32")
+    graphs = all_graphs(TINY, random_drafter_config(TINY), buckets)
+    assert kinds(graphs) == {
+        "prefill",
+        "sample",
+        "decode",
+        "drafter_prefill",
+        "parallel_draft",
+        "sequential_draft",
+        "verify",
+        "fused_parallel",
+        "fused_sequential",
+        "fused_mask_hidden",
+    }
+    findings = export_all(graphs, tmp_path, ("neuron", "tpu"))
+    assert {n: f for n, per in findings.items() for f in per.values() if f} == {}
+    for platform in ("neuron", "tpu"):
+        for g in graphs:
+            for suffix in (".mlir", ".exported", ".hlo.pb"):
+                assert (tmp_path / platform / f"{g.name}{suffix}").stat().st_size > 0
+    commands = (tmp_path / "neuron" / "compile.sh").read_text().splitlines()
+    compiles = [c for c in commands if c.startswith("neuronx-cc compile")]
+    assert len(compiles) == len(graphs) * len(NEURON_TARGETS)
+    assert "--framework XLA decode_b1_s64_w64_greedy.hlo.pb --target inf2 --model-type transformer" in "\n".join(
+        compiles
+    )
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert [g["name"] for g in manifest["graphs"]] == [g.name for g in graphs]
+    mlir = (tmp_path / "neuron" / "decode_b1_s64_w64_sampling.mlir").read_text()
+    assert "stablehlo.sort" not in mlir and "i64>" not in mlir
+
+
+@pytest.mark.slow
+def test_smollm2_shapes_every_graph_exports_clean():
+    """The full-size vocabulary (49152) is where sort, top-k and argmax would trip the lint."""
+    buckets = ServingBuckets(**{**EVERY_FAMILY, "batch_buckets": (1,)})
+    graphs = all_graphs(SMOLLM2, random_drafter_config(SMOLLM2), buckets)
+    findings = export_all(graphs, None, ("neuron",), write=False)
+    assert {n: f for n, per in findings.items() for f in per.values() if f} == {}
+
+
+def test_the_graph_set_follows_the_generators_buckets():
+    b = ServingBuckets(batch_buckets=(1,), prefill_buckets=(16, 32), max_seq_len=100, k_values=(2,), sampling=False)
+    names = [g.name for g in all_graphs(TINY, random_drafter_config(TINY), b)]
+    # Plain: 128 slots (100 rounded up to whole 32-token chunks), windows 128; chunks start at 0, 32, 64, 96.
+    assert "prefill_b1_s128_t32_w128" in names and "decode_b1_s128_w128_greedy" in names
+    assert not any("sampling" in n for n in names)
+    # Speculative (K=2: 8 slots of slack): 128 slots too, so the target prefill graphs are shared.
+    assert "verify_b1_s128_chain2_w128_greedy" in names and "parallel_draft_b1_s128_chain2_n1_w128" in names
+    assert len(names) == len(set(names))
+
+
+def test_an_exported_graph_runs_and_equals_the_jitted_one():
+    """The serialized export is the same computation: exported for cpu, reloaded and called."""
+    register_serialization()
+    params = model.init_params(TINY, jax.random.key(1))
+    B, S = 2, 128
+    args = lambda: (  # noqa: E731
+        params,
+        model.new_cache(TINY, B, S),
+        jnp.asarray([3, 5], jnp.int32),
+        jnp.asarray([0, 4], jnp.int32),
+        jnp.asarray([1, 2], jnp.uint32),
+        SamplingParams.make(B, 0.8, 5, 0.9),
+    )
+    kw = dict(cfg=TINY, greedy_only=False, window=128)
+    blob = export.export(decode_step, platforms=["cpu"])(*args(), **kw).serialize()
+    tokens, cache = export.deserialize(blob).call(*args())
+    ref_tokens, ref_cache = decode_step(*args(), **kw)
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    np.testing.assert_array_equal(cache.k[0], ref_cache.k[0])
+
+
+def test_bucket_config_from_yaml(tmp_path):
+    path = tmp_path / "b.yaml"
+    path.write_text("batch_buckets: [1, 8]\nk_values: 5\ntrees: ['0,1']\n")
+    b = load_buckets(path)
+    assert b.batch_buckets == (1, 8) and b.k_values == (5,) and b.trees == ("0,1",) and b.max_seq_len == 256
+    shipped = load_buckets(Path(__file__).resolve().parent.parent / "neuron" / "buckets.yaml")
+    assert shipped.k_values == (7,) and shipped.fused and shipped.dtype == "bfloat16"
+    path.write_text("batch_size: [1]\n")
+    with pytest.raises(BucketsError, match="unknown bucket field"):
+        load_buckets(path)
+    with pytest.raises(BucketsError, match="batch_buckets"):
+        load_buckets(None, batch_buckets=[0])
+
+
+def test_cli_exports_a_tiny_hf_model_and_fails_on_findings(tmp_path, save_hf, monkeypatch, capsys):
+    from conftest import tiny_hf_model
+
+    from peagle_jax.neuron import __main__ as cli
+    from peagle_jax.neuron import export as export_mod
+
+    model_dir = save_hf(tiny_hf_model("llama"))
+    yaml = tmp_path / "b.yaml"
+    yaml.write_text("batch_buckets: [1]\nprefill_buckets: [16]\nmax_seq_len: 32\nk_values: [2]\ndtype: float32\n")
+    argv = ["export", "--model", str(model_dir), "--buckets", str(yaml), "--out", str(tmp_path / "out")]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "randomly initialised" in out and "lint: clean" in out
+    assert (tmp_path / "out" / "tpu" / "fused_mask_hidden.mlir").is_file()
+    # neuron/compile.sh runs the written commands for one target, here with a stand-in neuronx-cc that
+    # writes the file named after --output.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "neuronx-cc"
+    fake.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = --output ] && echo neff > "$2"; shift; done\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    script = Path(__file__).resolve().parent.parent / "neuron" / "compile.sh"
+    r = subprocess.run(["sh", str(script), str(tmp_path / "out"), "inf2", "2"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    hlos = sorted(p.name.removesuffix(".hlo.pb") for p in (tmp_path / "out" / "neuron").glob("*.hlo.pb"))
+    neffs = sorted(p.name.removesuffix(".inf2.neff") for p in (tmp_path / "out" / "neuron").glob("*.inf2.neff"))
+    assert hlos == neffs and len(hlos) == 11
+    assert not list((tmp_path / "out" / "neuron").glob("*.trn1.neff"))
+
+    # A real drafter directory (speculators layout) instead of the random default.
+    from peagle_jax.config import load_hf_config
+    from peagle_jax.drafter.load import save_drafter
+    from peagle_jax.drafter.model import init_drafter_params
+
+    dcfg = random_drafter_config(load_hf_config(model_dir))
+    save_drafter(tmp_path / "drafter", dcfg, init_drafter_params(dcfg, jax.random.key(0)))
+    drafted = [*argv[:-1], str(tmp_path / "out_d"), "--drafter", str(tmp_path / "drafter"), "--platforms", "neuron"]
+    assert cli.main(drafted) == 0
+    out = capsys.readouterr().out
+    assert "drafter " in out and "randomly" not in out and "lint: clean" in out
+
+    def one_finding(text, **_):
+        return [Finding("int64", 1, "a 64-bit integer tensor")] if "@jit_decode_step" in text else []
+
+    monkeypatch.setattr(export_mod, "lint_stablehlo", one_finding)
+    assert cli.main([*argv, "--platforms", "neuron", "--no-write"]) == 1
+    assert "[int64]" in capsys.readouterr().out
+
+
+def test_cli_usage_errors():
+    run = [sys.executable, "-m", "peagle_jax.neuron", "export", "--model", "/nonexistent", "--out", "/tmp/x"]
+    r = subprocess.run(run, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_tensor_parallel_graphs_export_clean_on_one_cpu(tmp_path):
+    """``--tp``: the graphs take their parameters and caches sharded over an abstract 4-device mesh, so each
+    module is a 4-partition program (partitioned by the compiler), exported and linted without 4 devices."""
+    cfg = TINY.replace(num_heads=8, num_kv_heads=4, num_layers=2, aux_layer_ids=())
+    buckets = ServingBuckets(**{**EVERY_FAMILY, "batch_buckets": (1,)}, dtype="float32")
+    graphs = all_graphs(cfg, random_drafter_config(cfg), buckets, tp=4)
+    findings = export_all(graphs, tmp_path, ("neuron",))
+    assert {n: f for n, per in findings.items() for f in per.values() if f} == {}
+    text = (tmp_path / "neuron" / "decode_b1_s64_w64_greedy.mlir").read_text()
+    assert "mhlo.num_partitions = 4" in text
+    qkv = next(line for line in text.splitlines() if "qkv_proj']['weight']\")" in line and "sdy.sharding" in line)
+    assert '[{"tp"}, {}, {}, {}]' in qkv  # split on the kv heads
+    assert len(list((tmp_path / "neuron").glob("*.hlo.pb"))) == len(graphs)
+    with pytest.raises(UserError, match="must divide"):
+        all_graphs(cfg, random_drafter_config(cfg), buckets, tp=3)

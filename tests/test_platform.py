@@ -1,0 +1,72 @@
+"""``--platform``: a missing accelerator plugin is one error line naming the install command; the caches are
+configured. Each case runs in a fresh process (the backend is chosen before JAX starts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from peagle_jax.platform import NEURON_PIP, plugin_installed
+
+
+def python(code: str, **env) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}, timeout=120
+    )
+
+
+@pytest.mark.parametrize("platform,hint", [("neuron", NEURON_PIP), ("tpu", "jax[tpu]"), ("gpu", "jax[cuda12]")])
+def test_missing_plugin_is_one_error_line(platform, hint):
+    if plugin_installed(platform):
+        pytest.skip(f"the {platform} plugin is installed here")
+    r = subprocess.run(
+        [sys.executable, "-m", "peagle_jax.generate", "--platform", platform, "--prompt-ids", "1,2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --platform {platform}") and hint in lines[0]
+
+
+def test_cpu_selects_the_backend_and_the_compilation_cache(tmp_path):
+    code = (
+        "import json, jax\n"
+        "from peagle_jax.platform import select_platform\n"
+        f"devices = select_platform('cpu', compilation_cache={str(tmp_path / 'jc')!r})\n"
+        "print(json.dumps([devices[0].platform, jax.config.jax_compilation_cache_dir]))"
+    )
+    r = python(code)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == ["cpu", str(tmp_path / "jc")]
+    assert (tmp_path / "jc").is_dir()
+
+
+def test_neuron_compile_cache_environment(tmp_path, monkeypatch):
+    from peagle_jax.platform import configure_caches
+
+    monkeypatch.setenv("PEAGLE_JAX_CACHE", str(tmp_path))
+    monkeypatch.delenv("NEURON_COMPILE_CACHE_URL", raising=False)
+    monkeypatch.delenv("NEURON_CC_FLAGS", raising=False)
+    configure_caches(None, "neuron")
+    assert os.environ["NEURON_COMPILE_CACHE_URL"] == str(tmp_path / "neuron-cache")
+    assert os.environ["NEURON_CC_FLAGS"] == f"--cache_dir={tmp_path / 'neuron-cache'}"
+    # What the user set is kept.
+    monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", "s3://bucket/cache")
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--model-type transformer")
+    configure_caches(None, "neuron")
+    assert os.environ["NEURON_COMPILE_CACHE_URL"] == "s3://bucket/cache"
+    assert os.environ["NEURON_CC_FLAGS"] == "--model-type transformer"
+
+
+def test_unknown_platform():
+    from peagle_jax.errors import UserError
+    from peagle_jax.platform import select_platform
+
+    with pytest.raises(UserError, match="choose one of"):
+        select_platform("ipu")

@@ -1,0 +1,49 @@
+"""Ahead-of-time compilation: after ``warmup`` for a request size, serving such a request compiles nothing
+(plain and speculative, separate and fused graphs), across several attention windows."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from peagle_jax import engine
+from peagle_jax import model as M
+from peagle_jax import verify as V
+from peagle_jax.config import ModelConfig
+from peagle_jax.drafter import draft as D
+from peagle_jax.drafter.config import DrafterConfig
+from peagle_jax.drafter.model import init_drafter_params
+from peagle_jax.speculative import SpeculativeGenerator, fused_step
+
+CFG = ModelConfig(
+    family="llama",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+)
+DCFG = DrafterConfig(layer=CFG.replace(num_layers=1, aux_layer_ids=(0,)), algorithm="peagle", mask_token_id=5)
+GRAPHS = (M.prefill, engine.decode_step, engine.sample_jit, V.verify, D.parallel_draft, D.drafter_prefill, fused_step)
+
+
+def sizes():
+    return [g._cache_size() for g in GRAPHS]
+
+
+@pytest.mark.parametrize("kind", ["plain", "speculative", "fused"])
+def test_nothing_compiles_after_warmup(kind):
+    params = M.init_params(CFG, jax.random.key(0))
+    if kind == "plain":
+        gen = engine.Generator(CFG, params, max_seq_len=160)
+    else:
+        dparams = init_drafter_params(DCFG, jax.random.key(1))
+        gen = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, fused=kind == "fused", max_seq_len=160)
+    prompt, new = [1, 2, 3, 4, 5], 140  # the context crosses the 128-slot window bucket
+    gen.warmup(1, len(prompt), new, greedy_only=True)
+    before = sizes()
+    (result,) = gen.generate([prompt], max_new_tokens=new, stop_token_ids=[])
+    assert len(result.token_ids) == new
+    assert sizes() == before
