@@ -270,3 +270,84 @@ def test_sagemaker_invocations(server, client):
     out = json.loads(raw)
     assert status == 200 and out["choices"][0]["message"]["content"] == ref.choices[0].message.content
     assert out["usage"] == ref.usage.model_dump(exclude_none=True)
+
+
+def _request_bodies():
+    """JSON bodies over the request schema: a valid body (completion or chat, optional fields present or not),
+    or one with a field out of range, of the wrong type, or unknown."""
+    from hypothesis import strategies as st
+
+    text = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=20)
+    valid = {
+        "model": st.just("tiny"),
+        "max_tokens": st.integers(1, 12),
+        "temperature": st.floats(0, 2),
+        "top_p": st.floats(0.01, 1),
+        "top_k": st.integers(0, 200),
+        "seed": st.integers(-(2**63), 2**63 - 1),
+        "stop": st.one_of(text.filter(bool), st.lists(text.filter(bool), max_size=4)),
+        "stream": st.booleans(),
+        "n": st.just(1),
+    }
+    invalid = {
+        "model": st.one_of(st.just("other"), st.integers()),
+        "max_tokens": st.one_of(st.integers(max_value=0), st.integers(min_value=2000), st.floats(), st.text()),
+        "temperature": st.one_of(st.floats(max_value=-0.01), st.floats(min_value=2.01), st.text()),
+        "top_p": st.one_of(st.floats(max_value=0), st.floats(min_value=1.01), st.just([1])),
+        "top_k": st.one_of(st.integers(max_value=-1), st.just("1")),
+        "seed": st.one_of(st.integers(min_value=2**64), st.floats(0.5, 1.5)),
+        "stop": st.one_of(st.just(""), st.lists(text, min_size=5, max_size=6), st.integers()),
+        "stream": st.one_of(st.just("yes"), st.integers(2, 3)),
+        "n": st.integers(2, 5),
+        "prompt": st.one_of(st.just([]), st.lists(st.integers(128, 10**6), min_size=1, max_size=3), st.just({})),
+        "messages": st.one_of(st.just([]), st.just([{"role": "robot", "content": "x"}]), st.just([{"role": "user"}])),
+        "frobnicate": st.integers(),
+    }
+    prompt = st.one_of(text.filter(bool), st.lists(st.integers(0, 127), min_size=1, max_size=8))
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]), "content": text})
+    optional = {k: v for k, v in valid.items() if k not in ("model", "max_tokens")}
+    required = {"model": valid["model"], "max_tokens": valid["max_tokens"]}
+    completion = st.fixed_dictionaries({**required, "prompt": prompt}, optional=optional)
+    chat = st.fixed_dictionaries({**required, "messages": st.lists(message, min_size=1, max_size=3)}, optional=optional)
+
+    @st.composite
+    def body(draw):
+        is_chat = draw(st.booleans())
+        out = draw(chat if is_chat else completion)
+        if draw(st.booleans()):  # break one field
+            key = draw(st.sampled_from([k for k in invalid if k != ("prompt" if is_chat else "messages")]))
+            out[key] = draw(invalid[key])
+        path = draw(st.sampled_from(["/invocations", "/v1/chat/completions" if is_chat else "/v1/completions"]))
+        return path, out
+
+    return body()
+
+
+def test_fuzz_request_schema(server):
+    """Whatever the body, the answer is a 200 with a well-formed response or a 4xx with an OpenAI error."""
+    from hypothesis import HealthCheck, given, settings
+
+    seen = set()
+
+    @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(_request_bodies())
+    def check(case):
+        path, body = case
+        status, _, raw = http(server.base, "POST", path, json.dumps(body))
+        assert status < 500, (body, raw)
+        seen.add(status)
+        if status == 200 and body.get("stream") is True:
+            events = [e for e in raw.decode().split("\n\n") if e]
+            assert events[-1] == "data: [DONE]" and "usage" in json.loads(events[-2][6:])
+        elif status == 200:
+            out = json.loads(raw)
+            assert out["choices"][0]["finish_reason"] in ("stop", "length") and out["usage"]["total_tokens"] >= 1
+        else:
+            assert 400 <= status < 500 and json.loads(raw)["error"]["message"], (body, raw)
+
+    check()
+    assert {200, 400} <= seen  # both outcomes were exercised
+    ok, _, _ = http(
+        server.base, "POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 2})
+    )
+    assert ok == 200
