@@ -40,15 +40,16 @@ class KVCache:
 def write_rows(cache_BGSH, new_BTGH, start_B):
     """Write T new entries per row at slots ``start[b] .. start[b]+T-1``.
 
-    One ``dynamic_update_slice`` per row (B is static and small), done in place when the cache is donated;
-    on CPU this is several times cheaper than the equivalent scatter. Invariant the callers keep:
-    ``start[b] + T <= S`` for every row, padding rows included, because an update that would overrun the
-    cache is shifted back to fit (XLA clamps the start index) rather than dropped.
+    One scatter over (row, slot) indices, done in place when the cache is donated. Invariant the callers
+    keep: ``start[b] + T <= S`` for every row, padding rows included; an entry past the cache is dropped.
+
+    Why a scatter and not one ``dynamic_update_slice`` per row: the attention reads a window of the updated
+    cache, and XLA CPU fuses that slice with the last per-row update, which then needs the intermediate
+    buffer twice and copies the whole cache (twice per layer). With the scatter nothing is copied: a decode
+    step of SmolLM2-135M at 8 rows x 2048 slots went from ~775 ms to ~140 ms, at 1 row it is no slower.
     """
-    new_BGTH = jnp.swapaxes(new_BTGH, 1, 2).astype(cache_BGSH.dtype)
-    zero = jnp.zeros((), jnp.int32)
-    for b in range(new_BGTH.shape[0]):
-        cache_BGSH = jax.lax.dynamic_update_slice(
-            cache_BGSH, new_BGTH[b : b + 1], (jnp.int32(b), zero, start_B[b].astype(jnp.int32), zero)
-        )
-    return cache_BGSH
+    T = new_BTGH.shape[1]
+    slots_BT = start_B.astype(jnp.int32)[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    rows_B1 = jnp.arange(cache_BGSH.shape[0], dtype=jnp.int32)[:, None]
+    # Advanced indices on axes 0 and 2 come first in the update's shape: [B, T, G, H], the layout given.
+    return cache_BGSH.at[rows_B1, :, slots_BT].set(new_BTGH.astype(cache_BGSH.dtype), mode="drop")

@@ -251,15 +251,17 @@ class SlotEngine:
         starts = range(0, gen.max_seq_len - 1, chunk)
         lengths = sorted({min(start + T, gen.max_seq_len - 1) for start in starts for T in gen.prefill_buckets})
         windows = gen.window_buckets
-        total = 2 * len(lengths) + 2 * len(windows)
+        # Each prefill bucket once (greedy); the first-token sampler's sampling variant once (it does not
+        # depend on the prompt length).
+        admits = [(L, 0.0) for L in lengths] + [(lengths[0], 1.0)]
+        total = len(admits) + 2 * len(windows)
         done = 0
-        for L in lengths:
-            for t in (0.0, 1.0):
-                ev = self.admit(SlotRequest([0] * L, 1, temperature=t, stop_token_ids=[]))
-                assert ev.finish_reason == "length"
-                done += 1
-                if progress:
-                    progress(done, total)
+        for L, t in admits:
+            ev = self.admit(SlotRequest([0] * L, 1, temperature=t, stop_token_ids=[]))
+            assert ev.finish_reason == "length"
+            done += 1
+            if progress:
+                progress(done, total)
         # Step graphs: one live row placed so that the step's window is w, greedy and sampling.
         for w in windows:
             for t in (0.0, 1.0):
