@@ -10,7 +10,7 @@ import sys
 import pytest
 from serve_fixtures import ServerProcess
 
-MAX_SEQ = 128
+MAX_SEQ = 64
 
 
 @pytest.mark.slow
@@ -21,12 +21,12 @@ def test_smollm2_server_equals_generate(tmp_path):
     try:
         client = OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=300)
         prompt = "What is the capital of France?"
-        kw = dict(model="smollm2", messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0)
+        kw = dict(model="smollm2", messages=[{"role": "user", "content": prompt}], max_tokens=20, temperature=0)
         out = client.chat.completions.create(**kw)
         streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw))
     finally:
         server.stop()
-    cmd = [sys.executable, "-m", "peagle_jax.generate", "--chat", "--prompt", prompt, "--max-new-tokens", "24"]
+    cmd = [sys.executable, "-m", "peagle_jax.generate", "--chat", "--prompt", prompt, "--max-new-tokens", "20"]
     ref = json.loads(
         subprocess.run(
             [*cmd, "--max-seq-len", str(MAX_SEQ), "--json"], capture_output=True, text=True, check=True, timeout=300

@@ -94,9 +94,14 @@ class SlotEngine:
         self.top_p = np.ones(B, np.float32)
         self.seeds = np.zeros(B, np.uint32)
         self._device_params = None
-        self._new_state()
+        self.reset()
 
-    def _new_state(self) -> None:
+    def caches_lost(self) -> bool:
+        """Whether a failed call consumed (donated) the caches, so that only :meth:`reset` can go on."""
+        caches = [self.cache] + ([self.dcache, self.state.ctx_aux] if self.speculative else [])
+        return any(x.is_deleted() for x in jax.tree.leaves(caches))
+
+    def reset(self) -> None:
         """Fresh caches and an all-free per-slot state (also after a failed step)."""
         gen, B = self.gen, self.B
         self.cache = model.new_cache(gen.cfg, B, gen.num_slots)
@@ -271,7 +276,7 @@ class SlotEngine:
                     progress(done, total)
         if self.speculative:
             gen.spec = type(gen.spec)(accepted_per_position=[0] * gen.K)
-        self._new_state()
+        self.reset()
         return time.perf_counter() - t0
 
     def _warm_step(self, w: int, temperature: float) -> None:

@@ -139,6 +139,8 @@ class EngineWorker:
             log.error("admitting request %d failed:\n%s", req.id, traceback.format_exc())
             deliver(Failure(req, "internal error while starting this request", 500))
             self.engine.cancel(req.id)
+            if self.engine.caches_lost():  # it failed after donating the caches: the running requests end too
+                self._fail_running()
             return
         self.metrics.first_token(time.perf_counter() - t0)
         self._deliver[req.id] = deliver
@@ -150,16 +152,21 @@ class EngineWorker:
             events = self.engine.step()
         except Exception:  # noqa: BLE001 - end the active requests, keep serving
             log.error("engine step failed:\n%s", traceback.format_exc())
-            for slot in self.engine.slots:
-                if slot is not None:
-                    deliver = self._deliver.pop(slot.request.id, None)
-                    if deliver is not None:
-                        deliver(Failure(slot.request, "internal error while generating", 500))
-            self.engine._new_state()
+            self._fail_running()
             return
         self.metrics.step(time.perf_counter() - t0)
         for event in events:
             self._send(event)
+
+    def _fail_running(self) -> None:
+        """End every running request with an error and start over with fresh caches (a failed call may
+        have consumed the donated ones)."""
+        lost = [slot.request for slot in self.engine.slots if slot is not None]
+        self.engine.reset()
+        for req in lost:
+            deliver = self._deliver.pop(req.id, None)
+            if deliver is not None:
+                deliver(Failure(req, "internal error while generating", 500))
 
     def _send(self, event: SlotEvent) -> None:
         rid = event.request.id
