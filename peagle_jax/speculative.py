@@ -180,10 +180,11 @@ class SpeculativeGenerator(Generator):
     def _draft_window(self, start) -> int:
         return self.window(int(start.max()) + 2 * self.K + 1)
 
-    def _draft(self, dcache, tokens, aux, count, start):
+    def _draft(self, dcache, tokens, aux, count, start, tree: Tree | None = None):
+        tree = tree or self.tree
         window = self._draft_window(start)
         args = (self.dparams, dcache, jnp.asarray(tokens), aux, jnp.asarray(count), jnp.asarray(start))
-        kw = dict(cfg=self.dcfg, K=self.K, top_n=self.tree.width, window=window)
+        kw = dict(cfg=self.dcfg, K=tree.depth, top_n=tree.width, window=window)
         if self.sequential:
             return sequential_draft(*args, self.embed, **kw)
         return parallel_draft(*args, self.mask_g, self.embed, **kw)
@@ -222,12 +223,20 @@ class SpeculativeGenerator(Generator):
         logits, cache = self.prefill(prompts, batch, on_chunk=seed_drafter)
         return logits, cache, dcache, last_aux[0]
 
-    def step(self, cache, dcache, state: SpecState, seeds, sampling, *, greedy_only: bool, live):
+    def step(self, cache, dcache, state: SpecState, seeds, sampling, *, greedy_only: bool, live, tree=None):
         """One draft -> verify step over every row (``live`` [B] bool: rows whose results count; the others
         idle in place). Returns (tokens [B, K+1] host, count [B] host, aux [B, K+1, X], cache, dcache) and
-        adds the live rows to :attr:`spec`; :meth:`SpecState.advance` then moves the rows on."""
+        adds the live rows to :attr:`spec`; :meth:`SpecState.advance` then moves the rows on.
+
+        ``tree`` (default the generator's) may be a smaller tree of depth K' <= K and no more nodes, e.g. a
+        shorter chain under load: it drafts K' tokens over the same K + 1 context slots and verifies them;
+        its outputs are padded to K + 1 columns (a count never exceeds K' + 1, so the padding is never read).
+        """
+        tree = tree or self.tree
+        if tree.depth > self.K or tree.size > self.tree.size:
+            raise ValueError(f"a step tree must fit the generator's (depth <= {self.K}, <= {self.tree.size} nodes)")
         t0 = time.perf_counter()
-        window = self.window(int(state.q[live].max(initial=0)) + self.tree.size + 1)
+        window = self.window(int(state.q[live].max(initial=0)) + tree.size + 1)
         if self.fused:
             out, cache, dcache = fused_step(
                 self.params,
@@ -246,7 +255,7 @@ class SpeculativeGenerator(Generator):
                 sampling,
                 cfg=self.cfg,
                 dcfg=self.dcfg,
-                tree=self.tree,
+                tree=tree,
                 sequential=self.sequential,
                 draft_window=self._draft_window(state.ctx_start),
                 window=window,
@@ -254,7 +263,7 @@ class SpeculativeGenerator(Generator):
             )
             t1 = t0  # one launch: its whole time is counted as verify
         else:
-            draft, dcache = self._draft(dcache, state.ctx_tokens, state.ctx_aux, state.ctx_count, state.ctx_start)
+            draft, dcache = self._draft(dcache, state.ctx_tokens, state.ctx_aux, state.ctx_count, state.ctx_start, tree)
             jax.block_until_ready(draft)
             t1 = time.perf_counter()
             out, cache = verify(
@@ -266,11 +275,14 @@ class SpeculativeGenerator(Generator):
                 seeds,
                 sampling,
                 cfg=self.cfg,
-                tree=self.tree,
+                tree=tree,
                 window=window,
                 greedy_only=greedy_only,
             )
-        tokens, count = np.asarray(out.tokens), np.asarray(out.count)
+        tokens, count, aux = np.asarray(out.tokens), np.asarray(out.count), out.aux
+        if tree.depth < self.K:
+            tokens = np.pad(tokens, ((0, 0), (0, self.K - tree.depth)))
+            aux = jnp.pad(aux, ((0, 0), (0, self.K - tree.depth), (0, 0)))
         t2 = time.perf_counter()
         for c in count[live]:
             self.spec.target_forwards += 1
@@ -281,7 +293,7 @@ class SpeculativeGenerator(Generator):
         self.spec.draft_s += t1 - t0
         self.spec.verify_s += t2 - t1
         self.stats.decode_steps += 1
-        return tokens, count, out.aux, cache, dcache
+        return tokens, count, aux, cache, dcache
 
     def stream(
         self,

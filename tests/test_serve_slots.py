@@ -131,6 +131,27 @@ def test_speculative_slots_equal_generators(models, k, tree, sequential, fused):
     assert spec.spec.target_forwards > 0 and sum(spec.spec.accepted_per_position) > 0
 
 
+@pytest.mark.parametrize("fused,sequential", [(False, False), (True, True)])
+def test_smaller_k_under_load_equals_generators(models, fused, sequential):
+    """With 2 busy slots steps draft 2 tokens, with 3 one; outputs stay those of plain decoding."""
+    params, dparams = models
+    plain = Generator(CFG, params, max_seq_len=MAX_SEQ)
+    spec = SpeculativeGenerator(
+        CFG, params, DCFG, dparams, k=3, fused=fused, sequential=sequential, max_seq_len=MAX_SEQ
+    )
+    engine = SlotEngine(spec, 3, load_k=[(3, 1), (2, 2)])
+    assert engine.tree_for(1) is None and engine.tree_for(2).depth == 2 and engine.tree_for(3).depth == 1
+    outs, _ = _run(engine, REQUESTS, arrive_every=1)
+    for i, r in enumerate(REQUESTS):
+        assert outs[i] == _reference(plain, r), i
+    assert set(engine.steps_by_k) == {1, 2, 3}
+    for bad in ([(2, 4)], [(0, 1)], [(2, 0)]):
+        with pytest.raises(RequestError):
+            SlotEngine(spec, 3, load_k=bad)
+    with pytest.raises(RequestError):
+        SlotEngine(plain, 3, load_k=[(2, 1)])
+
+
 def test_bad_requests_are_refused_and_leave_the_slots_alone(models):
     params, _ = models
     engine = SlotEngine(Generator(CFG, params, max_seq_len=MAX_SEQ), 2)
@@ -155,10 +176,12 @@ def test_no_compiles_after_warmup(models, speculative):
     if speculative:
         gen = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, max_seq_len=MAX_SEQ)
         graphs = (M.prefill, sample_jit, put_row, V.verify, D.parallel_draft, D.drafter_prefill, fused_step)
+        load_k = [(3, 2)]
     else:
         gen = Generator(CFG, params, max_seq_len=MAX_SEQ)
         graphs = (M.prefill, sample_jit, put_row, decode_step)
-    engine = SlotEngine(gen, 4)
+        load_k = []
+    engine = SlotEngine(gen, 4, load_k=load_k)
     calls = []
     engine.warmup(progress=lambda done, total: calls.append((done, total)))
     assert calls[-1][0] == calls[-1][1] and engine.active == 0
@@ -166,3 +189,5 @@ def test_no_compiles_after_warmup(models, speculative):
     long = [([1, 2] * 20, 20, 0.0, 0, 1.0, 0, []), ([3] * 2, 61, 0.8, 2, 0.9, 5, [])]
     _run(engine, REQUESTS + long, arrive_every=1, cancel=(1, 2))
     assert [g._cache_size() for g in graphs] == before
+    if speculative:
+        assert set(engine.steps_by_k) == {2, 3}

@@ -24,7 +24,7 @@ def dirs(tmp_path_factory):
 def server(dirs, tmp_path_factory):
     model, drafter = dirs
     args = ["--sagemaker", "--host", "127.0.0.1", "--model", str(model), "--drafter", str(drafter)]
-    args += ["--max-batch", "3", "--max-seq-len", str(MAX_SEQ), "--served-model-name", "tiny-spec"]
+    args += ["--max-batch", "3", "--max-seq-len", str(MAX_SEQ), "--served-model-name", "tiny-spec", "--load-k", "3:1"]
     proc = ServerProcess(*args, log=tmp_path_factory.mktemp("log") / "server.log").wait()
     yield proc
     proc.stop()
@@ -69,8 +69,10 @@ def test_ping_and_acceptance_metrics(server):
     status, _, raw = http(server.base, "GET", "/ping")
     assert status == 200 and json.loads(raw) == {"status": "ok"}
     body = {"model": "tiny-spec", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "temperature": 0}
-    status, _, raw = http(server.base, "POST", "/invocations", json.dumps(body))
-    assert status == 200 and json.loads(raw)["object"] == "chat.completion"
+    with ThreadPoolExecutor(3) as pool:  # 3 at once: the slots fill up, so some steps run under --load-k
+        answers = list(pool.map(lambda _: http(server.base, "POST", "/invocations", json.dumps(body)), range(3)))
+    for status, _, raw in answers:
+        assert status == 200 and json.loads(raw)["object"] == "chat.completion"
     _, _, raw = http(server.base, "GET", "/metrics")
     m = parse_metrics(raw.decode())
     forwards = m["peagle_target_forwards_total"]
@@ -81,6 +83,8 @@ def test_ping_and_acceptance_metrics(server):
     assert per_position == sorted(per_position, reverse=True)  # depth k accepted implies depth k-1 accepted
     assert m["peagle_acceptance_length"] == pytest.approx(1 + sum(per_position) / forwards, abs=1e-6)
     assert m['peagle_requests_total{endpoint="invocations",outcome="ok"}'] >= 1
+    # --load-k 3:1: steps with all 3 slots busy drafted 1 token, the others K.
+    assert m['peagle_speculative_steps_total{k="1"}'] > 0 and m[f'peagle_speculative_steps_total{{k="{K}"}}'] > 0
 
 
 def test_sagemaker_defaults(tmp_path, monkeypatch):
@@ -110,6 +114,8 @@ def test_sagemaker_defaults(tmp_path, monkeypatch):
         (["--max-batch", "0"], "--max-batch"),
         (["--max-seq-len", "1"], "--max-seq-len"),
         (["--port", "70000"], "--port"),
+        (["--load-k", "4:2"], "--drafter"),
+        (["--drafter", "/nonexistent", "--load-k", "4"], "N:K pairs"),
         (["--model", "/nonexistent"], "/nonexistent"),
     ],
 )

@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree", help="static draft tree as comma-separated rank paths, e.g. 0,1,00,10 (default: chain)")
     p.add_argument("--sequential", action="store_true", help="EAGLE-3 sequential drafting instead of parallel")
     p.add_argument("--fused", action="store_true", help="draft and verify in one graph per step")
+    p.add_argument(
+        "--load-k",
+        help="speculate less under load: N:K pairs, e.g. '4:2,12:1' = with at least 4 active requests draft "
+        "and verify a chain of 2, with 12 a chain of 1 (default: always --k / --tree)",
+    )
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; --sagemaker: 0.0.0.0)")
     p.add_argument("--port", type=int, default=None, help="port (default 8000; --sagemaker: 8080)")
     p.add_argument("--max-batch", type=int, default=8, help="slots: requests decoded together (default 8)")
@@ -103,8 +108,9 @@ def resolve(args) -> argparse.Namespace:
     args.model = args.model or "smollm2"
     args.host = args.host or ("0.0.0.0" if sagemaker else "127.0.0.1")
     args.port = args.port if args.port is not None else (SAGEMAKER_PORT if sagemaker else 8000)
-    if args.drafter is None and (args.k is not None or args.tree or args.sequential or args.fused):
-        raise UserError("--k, --tree, --sequential and --fused need --drafter")
+    if args.drafter is None and (args.k is not None or args.tree or args.sequential or args.fused or args.load_k):
+        raise UserError("--k, --tree, --sequential, --fused and --load-k need --drafter")
+    args.load_k = parse_load_k(args.load_k)
     for flag, value, low in (
         ("--max-batch", args.max_batch, 1),
         ("--max-seq-len", args.max_seq_len, 2),
@@ -116,6 +122,19 @@ def resolve(args) -> argparse.Namespace:
     if not 0 <= args.port < 65536:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
     return args
+
+
+def parse_load_k(spec: str | None) -> list[tuple[int, int]]:
+    """``'4:2,12:1'`` -> [(4, 2), (12, 1)]."""
+    if not spec:
+        return []
+    try:
+        pairs = [tuple(int(x) for x in item.split(":")) for item in spec.split(",") if item.strip()]
+    except ValueError:
+        pairs = []
+    if not pairs or any(len(p) != 2 for p in pairs):
+        raise UserError(f"--load-k {spec!r}: expected comma-separated N:K pairs, e.g. 4:2,12:1")
+    return pairs
 
 
 def load(args):
@@ -152,7 +171,7 @@ def main(argv=None) -> int:
         gen, tokenizer, stops, name = load(args)
         from peagle_jax.serve.slots import SlotEngine
 
-        engine = SlotEngine(gen, args.max_batch)
+        engine = SlotEngine(gen, args.max_batch, load_k=args.load_k)
     except (UserError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -171,6 +190,7 @@ def serve(args, engine, tokenizer, stops, name) -> int:
     metrics = Metrics()
     metrics.max_slots = engine.B
     metrics.spec_stats = engine.gen.spec if engine.speculative else None
+    metrics.steps_by_k = engine.steps_by_k if engine.speculative else None
     worker = EngineWorker(engine, max_queue=args.max_queue, metrics=metrics)
     metrics.queue_depth = lambda: worker.queue_depth
     metrics.active_slots = lambda: engine.active

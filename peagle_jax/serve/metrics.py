@@ -29,6 +29,7 @@ class Metrics:
         self.active_slots: Callable[[], int] = lambda: 0
         self.max_slots = 0
         self.spec_stats = None  # a SpecStats, when serving with a drafter
+        self.steps_by_k: dict[int, int] | None = None  # speculative steps at each K (the engine's dict)
 
     def request(self, endpoint: str, outcome: str) -> None:
         with self._lock:
@@ -105,6 +106,12 @@ class Metrics:
                 [("", {}, f"{spec.acceptance_length:.6f}")],
             )
             family("target_forwards_total", "counter", "Verify passes x live rows.", [("", {}, forwards)])
+            family(
+                "speculative_steps_total",
+                "counter",
+                "Engine steps by the number of tokens drafted (smaller under load with --load-k).",
+                [("", {"k": str(k)}, n) for k, n in sorted(dict(self.steps_by_k or {}).items())],
+            )
             family(
                 "accepted_per_position_total",
                 "counter",

@@ -33,6 +33,7 @@ from peagle_jax.drafter.model import new_drafter_cache
 from peagle_jax.engine import Generator, RequestError, decode_step, sample_jit
 from peagle_jax.sampling import SamplingParams, check_sampling_args
 from peagle_jax.speculative import SpecState, SpeculativeGenerator
+from peagle_jax.verify import Tree, chain
 
 _ids = itertools.count(1)
 
@@ -82,11 +83,20 @@ class SlotEngine:
     thread, :mod:`peagle_jax.serve.worker`).
     """
 
-    def __init__(self, gen: Generator, max_batch: int):
+    def __init__(self, gen: Generator, max_batch: int, *, load_k: Sequence[tuple[int, int]] = ()):
         if max_batch < 1:
             raise RequestError(f"max_batch must be >= 1, got {max_batch}")
         self.gen, self.B = gen, max_batch
         self.speculative = isinstance(gen, SpeculativeGenerator)
+        # Under load, speculate less: with at least n active slots a step drafts and verifies a chain of k.
+        self.load_trees: list[tuple[int, Tree]] = []
+        if load_k and not self.speculative:
+            raise RequestError("a smaller K under load needs a drafter")
+        for n, k in sorted(load_k):
+            if n < 1 or not 1 <= k <= gen.K:
+                raise RequestError(f"load K {n}:{k}: need at least 1 active slot and 1 <= K' <= K = {gen.K}")
+            self.load_trees.append((n, chain(k)))
+        self.steps_by_k: dict[int, int] = {}  # speculative steps run at each K
         self.slots: list[_Slot | None] = [None] * max_batch
         B = max_batch
         self.temperature = np.zeros(B, np.float32)
@@ -212,8 +222,18 @@ class SlotEngine:
                 return SlotEvent(slot.request, [], "cancelled")
         return None
 
-    def step(self) -> list[SlotEvent]:
-        """Advance every active slot by one step (1 token plain, 1..K+1 speculative); one event per slot."""
+    def tree_for(self, active: int) -> Tree | None:
+        """The draft tree of a step with ``active`` slots busy: the smallest K' whose load it reaches (None:
+        the generator's own tree)."""
+        tree = None
+        for n, t in self.load_trees:
+            if active >= n:
+                tree = t
+        return tree
+
+    def step(self, tree: Tree | None = None) -> list[SlotEvent]:
+        """Advance every active slot by one step (1 token plain, 1..K+1 speculative); one event per slot.
+        ``tree`` overrides the load policy (:meth:`tree_for`)."""
         live = np.array([s is not None for s in self.slots])
         if not live.any():
             return []
@@ -221,9 +241,12 @@ class SlotEngine:
         greedy_only = not bool(np.any(self.temperature[live] > 0))
         gen = self.gen
         if self.speculative:
+            tree = tree or self.tree_for(int(live.sum()))
             tokens, count, aux, self.cache, self.dcache = gen.step(
-                self.cache, self.dcache, self.state, seeds, sampling, greedy_only=greedy_only, live=live
+                self.cache, self.dcache, self.state, seeds, sampling, greedy_only=greedy_only, live=live, tree=tree
             )
+            k = (tree or gen.tree).depth
+            self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
             self.state.advance(tokens, count, aux, live)
             gained = [tokens[b, : int(count[b])] for b in range(self.B)]
         else:
@@ -256,10 +279,11 @@ class SlotEngine:
         starts = range(0, gen.max_seq_len - 1, chunk)
         lengths = sorted({min(start + T, gen.max_seq_len - 1) for start in starts for T in gen.prefill_buckets})
         windows = gen.window_buckets
+        trees = [None] + [t for _, t in self.load_trees]
         # Each prefill bucket once (greedy); the first-token sampler's sampling variant once (it does not
         # depend on the prompt length).
         admits = [(L, 0.0) for L in lengths] + [(lengths[0], 1.0)]
-        total = len(admits) + 2 * len(windows)
+        total = len(admits) + 2 * len(windows) * len(trees)
         done = 0
         for L, t in admits:
             ev = self.admit(SlotRequest([0] * L, 1, temperature=t, stop_token_ids=[]))
@@ -268,18 +292,20 @@ class SlotEngine:
             if progress:
                 progress(done, total)
         # Step graphs: one live row placed so that the step's window is w, greedy and sampling.
-        for w in windows:
-            for t in (0.0, 1.0):
-                self._warm_step(w, t)
-                done += 1
-                if progress:
-                    progress(done, total)
+        for tree in trees:
+            for w in windows:
+                for t in (0.0, 1.0):
+                    self._warm_step(w, t, tree)
+                    done += 1
+                    if progress:
+                        progress(done, total)
         if self.speculative:
             gen.spec = type(gen.spec)(accepted_per_position=[0] * gen.K)
+        self.steps_by_k.clear()
         self.reset()
         return time.perf_counter() - t0
 
-    def _warm_step(self, w: int, temperature: float) -> None:
+    def _warm_step(self, w: int, temperature: float, tree: Tree | None = None) -> None:
         gen, b = self.gen, 0
         req = SlotRequest([0], 1 << 30, temperature=temperature, stop_token_ids=[])
         self.slots[b] = _Slot(req, frozenset())
@@ -289,12 +315,12 @@ class SlotEngine:
             self.positions[b] = w - 1
             self.step()
         else:
-            s, size = self.state, gen.tree.size
+            s, size = self.state, (tree or gen.tree).size
             lower = max((x for x in gen.window_buckets if x < w), default=0)
             # q at the top and the bottom of the bucket, ctx_start up to K + 1 behind q: every draft window
             # a step with verify window w can meet (the fused graph compiles per pair).
             for q in sorted({max(w - size - 1, 1), max(lower - size, 1)}):
                 for start in sorted({max(q - 1 - gen.K, 0), q - 1}):
                     s.q[b], s.ctx_start[b], s.ctx_count[b] = q, start, 1
-                    self.step()
+                    self.step(tree)
         self._release(b)
