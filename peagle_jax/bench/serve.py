@@ -1,9 +1,9 @@
 """``python -m peagle_jax.bench.serve``: throughput and latency of ``python -m peagle_jax.serve`` at several
 concurrency levels, speculation off and on, in one run.
 
-For each mode (plain; speculative with ``--drafter``, by default a random SmolLM2-sized P-EAGLE drafter)
-the benchmark starts the server with the same model and flags, waits until its graphs are compiled, and
-at each concurrency level c runs ``--rounds`` x c streamed greedy completions from c client threads (each
+For each mode (plain; speculative with ``--drafter``, by default a random SmolLM2-sized P-EAGLE drafter;
+speculative with a smaller K under load, ``--load-k``) the benchmark starts the server with the same model
+and flags, waits until its graphs are compiled, and at each concurrency level c runs ``--rounds`` x c streamed greedy completions from c client threads (each
 client sends its next request when the previous one ends). Per request it records the time to the first
 token (TTFT) and the time per output token after it (TPOT); per level the output-token throughput
 (generated tokens / wall time). Prints a markdown table and, with ``--json FILE``, the raw numbers.
@@ -143,6 +143,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
     p.add_argument("--drafter", help="drafter directory (default: a random SmolLM2-sized P-EAGLE drafter)")
     p.add_argument("--k", type=int, default=3, help="draft tokens per step in the speculative mode (default 3)")
+    p.add_argument(
+        "--load-k", default="4:1", help="also run speculation with this --load-k policy ('' to skip; default 4:1)"
+    )
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts (default 1,4,16)")
     p.add_argument("--rounds", type=int, default=2, help="requests per client per level (default 2)")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default 48)")
@@ -166,11 +169,14 @@ def main(argv=None) -> int:
     if args.platform:
         common += ["--platform", args.platform]
     model = "smollm2" if args.model == "smollm2" else Path(args.model).resolve().name
-    modes = {"plain": common, f"speculative K={args.k}": [*common, "--drafter", drafter, "--k", str(args.k)]}
+    spec = [*common, "--drafter", drafter, "--k", str(args.k)]
+    modes = {"plain": common, f"speculative K={args.k}": spec}
+    if args.load_k:
+        modes[f"speculative K={args.k}, --load-k {args.load_k}"] = [*spec, "--load-k", args.load_k]
     out = {"config": vars(args), "modes": {}}
     logdir = Path(tempfile.mkdtemp(prefix="peagle-bench-serve-"))
     for name, flags in modes.items():
-        proc, port, ready_s = start_server(flags, logdir / f"{name.split()[0]}.log")
+        proc, port, ready_s = start_server(flags, logdir / f"mode{len(out['modes'])}.log")
         base = f"http://127.0.0.1:{port}"
         try:
             run_level(base, model, 1, 1, 4)  # one short request first: the client and server paths are warm

@@ -78,8 +78,7 @@ class TextStream:
 
 
 def _error(err: APIError) -> JSONResponse:
-    headers = {"Retry-After": str(err.retry_after)} if getattr(err, "retry_after", None) else None
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 def build_app(state: ServerState, lifespan=None) -> Starlette:
@@ -161,9 +160,13 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
         try:
             worker.submit(sreq, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
         except QueueFull:
-            err = APIError(429, "the server is at capacity; retry later", type="rate_limit_error", code="queue_full")
-            err.retry_after = state.retry_after_s
-            raise err from None
+            raise APIError(
+                429,
+                "the server is at capacity; retry later",
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(state.retry_after_s)},
+            ) from None
         text = TextStream(state.tokenizer, protocol.stop_strings(req))
         rid = ("chatcmpl-" if isinstance(req, ChatRequest) else "cmpl-") + secrets.token_hex(12)
         fmt = _Formatter(rid, state.model_name, isinstance(req, ChatRequest), len(sreq.prompt))

@@ -19,9 +19,12 @@ MAX_STOP = 4  # stop strings per request, as the OpenAI API
 class APIError(Exception):
     """An error answered to the client with ``status`` and an OpenAI-style body."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param=None, code=None):
+    def __init__(
+        self, status: int, message: str, *, type: str = "invalid_request_error", param=None, code=None, headers=None
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers  # extra response headers (Retry-After on a 429)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
