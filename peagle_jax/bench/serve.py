@@ -3,10 +3,11 @@ concurrency levels, speculation off and on, in one run.
 
 For each mode (plain; speculative with ``--drafter``, by default a random SmolLM2-sized P-EAGLE drafter;
 speculative with a smaller K under load, ``--load-k``) the benchmark starts the server with the same model
-and flags, waits until its graphs are compiled, and at each concurrency level c runs ``--rounds`` x c streamed greedy completions from c client threads (each
-client sends its next request when the previous one ends). Per request it records the time to the first
-token (TTFT) and the time per output token after it (TPOT); per level the output-token throughput
-(generated tokens / wall time). Prints a markdown table and, with ``--json FILE``, the raw numbers.
+and flags, waits until its graphs are compiled, and at each concurrency level c runs ``--rounds`` x c
+streamed greedy completions from c client threads (each client sends its next request when the previous
+one ends). Per request it records the time to the first token (TTFT) and the time per output token after
+it (TPOT); per level the output-token throughput (generated tokens / wall time). Prints a markdown table
+and, with ``--json FILE``, the raw numbers.
 
 A random drafter accepts almost nothing, so its numbers show the cost of speculation without its gain:
 they are a floor, not what a trained drafter reaches.
