@@ -137,3 +137,17 @@ def test_platform_neuron_without_jax_neuronx(capsys):
     assert main(["--platform", "neuron"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pip install jax-neuronx" in err[0] and "pip.repos.neuron.amazonaws.com" in err[0]
+
+
+def test_unavailable_platform_is_one_line():
+    """In a subprocess: selecting a backend changes JAX's global configuration."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "peagle_jax.serve", "--platform", "tpu"], capture_output=True, text=True, env=env
+    )
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1 and err[0].startswith("error: --platform tpu"), proc.stderr

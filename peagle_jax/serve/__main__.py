@@ -92,8 +92,12 @@ def select_platform(platform: str | None) -> None:
     jax.config.update("jax_platforms", PLATFORMS[platform])
     try:
         jax.devices()
-    except RuntimeError as err:
-        raise UserError(f"--platform {platform}: JAX cannot start this backend ({str(err).splitlines()[0]})") from None
+    except Exception as err:  # noqa: BLE001 - a missing plugin fails in several ways (RuntimeError, assert)
+        reason = (str(err).splitlines() or [""])[0] or type(err).__name__
+        raise UserError(
+            f"--platform {platform}: JAX cannot start this backend ({reason}); is its JAX plugin installed "
+            "(jax[cuda12] for gpu, jax[tpu] for tpu)?"
+        ) from None
 
 
 def resolve(args) -> argparse.Namespace:
