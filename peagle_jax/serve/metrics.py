@@ -70,7 +70,7 @@ class Metrics:
             family(
                 "requests_total",
                 "counter",
-                "Requests by endpoint and outcome (ok, stopped by the client, bad_request, rejected, error).",
+                "Requests by endpoint and outcome (ok, client_gone, bad_request, rejected, error).",
                 [("", {"endpoint": e, "outcome": o}, n) for (e, o), n in sorted(self.requests.items())],
             )
             family("prompt_tokens_total", "counter", "Prompt tokens.", [("", {}, self.prompt_tokens)])
