@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from peagle_jax import model as M
@@ -182,6 +183,8 @@ def test_no_compiles_after_warmup(models, speculative):
         graphs = (M.prefill, sample_jit, put_row, decode_step)
         load_k = []
     engine = SlotEngine(gen, 4, load_k=load_k)
+    assert engine.row_buckets == (1, 2, 4)
+    assert [engine.rows_for(np.arange(4) == i) for i in range(4)] == [1, 2, 4, 4]
     calls = []
     engine.warmup(progress=lambda done, total: calls.append((done, total)))
     assert calls[-1][0] == calls[-1][1] and engine.active == 0

@@ -103,7 +103,10 @@ class SlotEngine:
         self.top_k = np.zeros(B, np.int32)
         self.top_p = np.ones(B, np.float32)
         self.seeds = np.zeros(B, np.uint32)
-        self._device_params = None
+        # A step runs only the first `rows` slots, the smallest bucket covering every busy one (admission
+        # takes the lowest free slot), so a lightly loaded server does not pay for all B rows.
+        self.row_buckets = tuple(sorted({min(1 << i, B) for i in range(B.bit_length() + 1)}))
+        self._device_params = {}
         self.reset()
 
     def caches_lost(self) -> bool:
@@ -144,13 +147,21 @@ class SlotEngine:
         except ValueError as err:
             raise RequestError(str(err)) from None
 
-    def _sampling(self):
-        if self._device_params is None:
-            self._device_params = (
-                SamplingParams(jnp.asarray(self.temperature), jnp.asarray(self.top_k), jnp.asarray(self.top_p)),
-                jnp.asarray(self.seeds),
+    def _sampling(self, rows: int):
+        """Device copies of the first ``rows`` slots' sampling parameters and seeds (kept until they change)."""
+        if rows not in self._device_params:
+            self._device_params[rows] = (
+                SamplingParams(
+                    jnp.asarray(self.temperature[:rows]), jnp.asarray(self.top_k[:rows]), jnp.asarray(self.top_p[:rows])
+                ),
+                jnp.asarray(self.seeds[:rows]),
             )
-        return self._device_params
+        return self._device_params[rows]
+
+    def rows_for(self, live) -> int:
+        """The row bucket a step needs: the smallest covering the highest busy slot."""
+        top = int(np.flatnonzero(live).max()) + 1
+        return next(r for r in self.row_buckets if r >= top)
 
     def _emit(self, b: int, tokens) -> SlotEvent:
         """Row b's new tokens up to its stop token or length; frees the slot when the request ends."""
@@ -172,7 +183,7 @@ class SlotEngine:
         """Free slot b; its row idles at a small position from now on."""
         self.slots[b] = None
         self.temperature[b] = 0.0
-        self._device_params = None
+        self._device_params = {}
         if self.speculative:
             s = self.state
             s.ctx_count[b], s.ctx_start[b], s.q[b], s.root[b] = 1, 0, 1, 0
@@ -209,7 +220,7 @@ class SlotEngine:
             self.pending[b], self.positions[b] = first, len(prompt)
         self.temperature[b], self.top_k[b], self.top_p[b] = req.temperature, req.top_k, req.top_p
         self.seeds[b] = np.uint32(req.seed & 0xFFFFFFFF)
-        self._device_params = None
+        self._device_params = {}
         stops = gen.cfg.eos_token_ids if req.stop_token_ids is None else req.stop_token_ids
         self.slots[b] = _Slot(req, frozenset(int(t) for t in stops))
         return self._emit(b, [first])
@@ -237,31 +248,39 @@ class SlotEngine:
         live = np.array([s is not None for s in self.slots])
         if not live.any():
             return []
-        sampling, seeds = self._sampling()
+        R = self.rows_for(live)
+        sampling, seeds = self._sampling(R)
         greedy_only = not bool(np.any(self.temperature[live] > 0))
         gen = self.gen
         if self.speculative:
             tree = tree or self.tree_for(int(live.sum()))
-            tokens, count, aux, self.cache, self.dcache = gen.step(
-                self.cache, self.dcache, self.state, seeds, sampling, greedy_only=greedy_only, live=live, tree=tree
+            s = self.state
+            rows = SpecState(s.ctx_tokens[:R], s.ctx_aux[:R], s.ctx_count[:R], s.ctx_start[:R], s.q[:R], s.root[:R])
+            tokens_R, count_R, aux_R, self.cache, self.dcache = gen.step(
+                self.cache, self.dcache, rows, seeds, sampling, greedy_only=greedy_only, live=live[:R], tree=tree
             )
             k = (tree or gen.tree).depth
             self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
-            self.state.advance(tokens, count, aux, live)
+            tokens = np.zeros((self.B, tokens_R.shape[1]), np.int32)
+            count = np.zeros(self.B, np.int32)
+            tokens[:R], count[:R] = tokens_R, count_R
+            aux = aux_R if R == self.B else jnp.pad(aux_R, ((0, self.B - R), (0, 0), (0, 0)))
+            s.advance(tokens, count, aux, live)
             gained = [tokens[b, : int(count[b])] for b in range(self.B)]
         else:
-            nxt, self.cache = decode_step(
+            nxt_R, self.cache = decode_step(
                 gen.params,
                 self.cache,
-                jnp.asarray(self.pending),
-                jnp.asarray(self.positions),
+                jnp.asarray(self.pending[:R]),
+                jnp.asarray(self.positions[:R]),
                 seeds,
                 sampling,
                 cfg=gen.cfg,
                 greedy_only=greedy_only,
                 window=gen.window(int(self.positions[live].max()) + 1),
             )
-            nxt = np.asarray(nxt)
+            nxt = np.zeros(self.B, np.int32)
+            nxt[:R] = np.asarray(nxt_R)
             self.pending = np.where(live, nxt, self.pending).astype(np.int32)
             self.positions = self.positions + live.astype(np.int32)
             gained = [nxt[b : b + 1] for b in range(self.B)]
@@ -283,7 +302,7 @@ class SlotEngine:
         # Each prefill bucket once (greedy); the first-token sampler's sampling variant once (it does not
         # depend on the prompt length).
         admits = [(L, 0.0) for L in lengths] + [(lengths[0], 1.0)]
-        total = len(admits) + 2 * len(windows) * len(trees)
+        total = len(admits) + 2 * len(windows) * len(trees) * len(self.row_buckets)
         done = 0
         for L, t in admits:
             ev = self.admit(SlotRequest([0] * L, 1, temperature=t, stop_token_ids=[]))
@@ -292,25 +311,28 @@ class SlotEngine:
             if progress:
                 progress(done, total)
         # Step graphs: one live row placed so that the step's window is w, greedy and sampling.
-        for tree in trees:
-            for w in windows:
-                for t in (0.0, 1.0):
-                    self._warm_step(w, t, tree)
-                    done += 1
-                    if progress:
-                        progress(done, total)
+        for rows in self.row_buckets:
+            for tree in trees:
+                for w in windows:
+                    for t in (0.0, 1.0):
+                        self._warm_step(w, t, tree, slot=rows - 1)
+                        done += 1
+                        if progress:
+                            progress(done, total)
         if self.speculative:
             gen.spec = type(gen.spec)(accepted_per_position=[0] * gen.K)
         self.steps_by_k.clear()
         self.reset()
         return time.perf_counter() - t0
 
-    def _warm_step(self, w: int, temperature: float, tree: Tree | None = None) -> None:
-        gen, b = self.gen, 0
+    def _warm_step(self, w: int, temperature: float, tree: Tree | None = None, slot: int = 0) -> None:
+        """One step with a single busy slot (``slot``, which sets the row bucket) placed so that the step's
+        window is ``w``."""
+        gen, b = self.gen, slot
         req = SlotRequest([0], 1 << 30, temperature=temperature, stop_token_ids=[])
         self.slots[b] = _Slot(req, frozenset())
         self.temperature[b] = temperature
-        self._device_params = None
+        self._device_params = {}
         if not self.speculative:
             self.positions[b] = w - 1
             self.step()
