@@ -38,7 +38,8 @@ class KVCache:
 
 
 def write_rows(cache_BGSH, new_BTGH, start_B):
-    """Write T new entries per row at slots ``start[b] .. start[b]+T-1``.
+    """Write T new entries per row at slots ``start[b] .. start[b]+T-1`` of cache rows ``0 .. B-1`` (B: the
+    rows of ``new_BTGH``; the cache may hold more, which are left as they are).
 
     One scatter over (row, slot) indices, done in place when the cache is donated. Invariant the callers
     keep: ``start[b] + T <= S`` for every row, padding rows included; an entry past the cache is dropped.
@@ -50,6 +51,6 @@ def write_rows(cache_BGSH, new_BTGH, start_B):
     """
     T = new_BTGH.shape[1]
     slots_BT = start_B.astype(jnp.int32)[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    rows_B1 = jnp.arange(cache_BGSH.shape[0], dtype=jnp.int32)[:, None]
+    rows_B1 = jnp.arange(new_BTGH.shape[0], dtype=jnp.int32)[:, None]  # rows 0..B-1 (the cache may hold more)
     # Advanced indices on axes 0 and 2 come first in the update's shape: [B, T, G, H], the layout given.
     return cache_BGSH.at[rows_B1, :, slots_BT].set(new_BTGH.astype(cache_BGSH.dtype), mode="drop")

@@ -98,8 +98,10 @@ class Attention(nn.Module):
         v_BGSH = write_rows(v_BGSH, v_BTGH, start_B)
         # Attend over the first W slots only (W = the visibility mask's width, a static window bucket that
         # covers every row's context): the cost follows the context, not the cache size.
+        # The cache may hold more rows than this call has (a slot engine stepping only its first B rows):
+        # the new entries went to rows 0..B-1, and only those rows are read.
         W = visible_BTS.shape[-1]
-        out_BTNH = ops.attention(q_BTNH, k_BGSH[:, :, :W], v_BGSH[:, :, :W], visible_BTS)
+        out_BTNH = ops.attention(q_BTNH, k_BGSH[:B, :, :W], v_BGSH[:B, :, :W], visible_BTS)
         y_BTD = Linear((s.out_dim,), in_axes=2, use_bias=s.o_bias, dtype=dt, name="o_proj")(out_BTNH)
         return y_BTD, k_BGSH, v_BGSH
 

@@ -105,6 +105,45 @@ class SpecStats:
         return self.emitted / self.target_forwards if self.target_forwards else 0.0
 
 
+@dataclasses.dataclass
+class SpecState:
+    """Per-row host state between speculative steps (B rows, C = K + 1 context slots).
+
+    ``q`` is the position of each row's root (its last committed token, not yet in the target cache) and
+    ``root`` that token; the drafter's next context is the ``ctx_count`` elements committed by the last
+    step (``ctx_tokens`` [B, C] with their target aux states ``ctx_aux`` [B, C, X]), the first at drafter
+    position ``ctx_start``. A row that is not live keeps its state, so it idles in place.
+    """
+
+    ctx_tokens: np.ndarray
+    ctx_aux: jax.Array
+    ctx_count: np.ndarray
+    ctx_start: np.ndarray
+    q: np.ndarray
+    root: np.ndarray
+
+    @classmethod
+    def start(cls, first_B, last_aux_BX, lengths_B, C: int) -> SpecState:
+        """After the prefill: one context element per row (the first token with the aux of the last prompt
+        position), at drafter position ``length - 1``; the root is the first token at ``length``."""
+        B = len(first_B)
+        ctx_tokens = np.zeros((B, C), np.int32)
+        ctx_tokens[:, 0] = first_B
+        ctx_aux = jnp.zeros((B, C, last_aux_BX.shape[-1]), last_aux_BX.dtype).at[:, 0].set(last_aux_BX)
+        lengths = np.asarray(lengths_B, np.int32)
+        return cls(ctx_tokens, ctx_aux, np.ones(B, np.int32), lengths - 1, lengths.copy(), np.asarray(first_B).copy())
+
+    def advance(self, tokens_BC, count_B, aux_BCX, live_B) -> None:
+        """Commit a step's output for the live rows; the others stay in place."""
+        B = len(count_B)
+        self.ctx_start = np.where(live_B, self.q, self.ctx_start)
+        self.q = self.q + np.where(live_B, count_B, 0)
+        self.root = np.where(live_B, tokens_BC[np.arange(B), np.maximum(count_B - 1, 0)], self.root)
+        self.ctx_tokens = np.where(live_B[:, None], tokens_BC, self.ctx_tokens)
+        self.ctx_count = np.where(live_B, count_B, self.ctx_count)
+        self.ctx_aux = jnp.where(jnp.asarray(live_B)[:, None, None], aux_BCX, self.ctx_aux)
+
+
 class SpeculativeGenerator(Generator):
     """Batched speculative decoding of one target with one drafter (P-EAGLE parallel or EAGLE-3 sequential)."""
 
@@ -165,13 +204,127 @@ class SpeculativeGenerator(Generator):
     def _draft_window(self, start) -> int:
         return self.window(int(start.max()) + 2 * self.K + 1)
 
-    def _draft(self, dcache, tokens, aux, count, start):
+    def _draft(self, dcache, tokens, aux, count, start, tree: Tree | None = None):
+        tree = tree or self.tree
         window = self._draft_window(start)
         args = (self.dparams, dcache, jnp.asarray(tokens), aux, jnp.asarray(count), jnp.asarray(start))
-        kw = dict(cfg=self.dcfg, K=self.K, top_n=self.tree.width, window=window)
+        kw = dict(cfg=self.dcfg, K=tree.depth, top_n=tree.width, window=window)
         if self.sequential:
             return sequential_draft(*args, self.embed, **kw)
         return parallel_draft(*args, self.mask_g, self.embed, **kw)
+
+    def prefill_both(self, prompts: Sequence[Sequence[int]], batch: int):
+        """Prefill the target and seed the drafter with the prompts (padded to ``batch`` rows). Returns
+        (last-token logits [batch, V], target cache, drafter cache, aux [batch, X] of each last prompt
+        position: the aux half of the first draft's context element)."""
+        lengths = np.array([len(p) for p in prompts] + [1] * (batch - len(prompts)), np.int32)
+        dcache = new_drafter_cache(self.dcfg, batch, self.num_slots)
+        if self.mesh is not None:
+            from peagle_jax import sharding
+
+            dcache = (sharding.shard_cache if self.shard_drafter else sharding.replicate)(dcache, self.mesh)
+        last_aux = [None]
+
+        def seed_drafter(out, start, T):
+            nonlocal dcache
+            # Element j pairs prompt token j+1 with the target aux of j; the last one (the first
+            # generated token) is unknown yet and written by the first draft.
+            toks = np.zeros((batch, T), np.int32)
+            for b, p in enumerate(prompts):
+                piece = p[start + 1 : start + 1 + T]
+                toks[b, : len(piece)] = piece
+            dcache = drafter_prefill(
+                self.dparams,
+                dcache,
+                jnp.asarray(toks),
+                out.aux,
+                jnp.full(batch, start, jnp.int32),
+                self.embed,
+                cfg=self.dcfg,
+                window=self.window(start + T),
+            )
+            at = np.clip(lengths - 1 - start, 0, T - 1)
+            here = jnp.asarray((lengths - 1 >= start) & (lengths - 1 < start + T))[:, None]
+            aux_last = jnp.take_along_axis(out.aux, jnp.asarray(at)[:, None, None], axis=1)[:, 0]
+            last_aux[0] = aux_last if last_aux[0] is None else jnp.where(here, aux_last, last_aux[0])
+
+        logits, cache = self.prefill(prompts, batch, on_chunk=seed_drafter)
+        return logits, cache, dcache, last_aux[0]
+
+    def step(self, cache, dcache, state: SpecState, seeds, sampling, *, greedy_only: bool, live, tree=None):
+        """One draft -> verify step over every row (``live`` [B] bool: rows whose results count; the others
+        idle in place). Returns (tokens [B, K+1] host, count [B] host, aux [B, K+1, X], cache, dcache) and
+        adds the live rows to :attr:`spec`; :meth:`SpecState.advance` then moves the rows on.
+
+        ``tree`` (default the generator's) may be a smaller tree of depth K' <= K and no more nodes, e.g. a
+        shorter chain under load: it drafts K' tokens over the same K + 1 context slots and verifies them;
+        its outputs are padded to K + 1 columns (a count never exceeds K' + 1, so the padding is never read).
+        """
+        tree = tree or self.tree
+        if tree.depth > self.K or tree.size > self.tree.size:
+            raise ValueError(f"a step tree must fit the generator's (depth <= {self.K}, <= {self.tree.size} nodes)")
+        t0 = time.perf_counter()
+        window = self.window(int(state.q[live].max(initial=0)) + tree.size + 1)
+        if self.fused:
+            # One window for both halves (the larger: a wider window is always safe), so the fused graphs
+            # are one per window bucket, not one per (draft window, verify window) pair.
+            window = max(window, self._draft_window(state.ctx_start))
+            out, cache, dcache = fused_step(
+                self.params,
+                cache,
+                self.dparams,
+                dcache,
+                jnp.asarray(state.ctx_tokens),
+                state.ctx_aux,
+                jnp.asarray(state.ctx_count),
+                jnp.asarray(state.ctx_start),
+                self.mask_g,
+                self.embed,
+                jnp.asarray(state.root),
+                jnp.asarray(state.q),
+                seeds,
+                sampling,
+                cfg=self.cfg,
+                dcfg=self.dcfg,
+                tree=tree,
+                sequential=self.sequential,
+                draft_window=window,
+                window=window,
+                greedy_only=greedy_only,
+            )
+            t1 = t0  # one launch: its whole time is counted as verify
+        else:
+            draft, dcache = self._draft(dcache, state.ctx_tokens, state.ctx_aux, state.ctx_count, state.ctx_start, tree)
+            jax.block_until_ready(draft)
+            t1 = time.perf_counter()
+            out, cache = verify(
+                self.params,
+                cache,
+                jnp.asarray(state.root),
+                draft.tokens,
+                jnp.asarray(state.q),
+                seeds,
+                sampling,
+                cfg=self.cfg,
+                tree=tree,
+                window=window,
+                greedy_only=greedy_only,
+            )
+        tokens, count, aux = np.asarray(out.tokens), np.asarray(out.count), out.aux
+        if tree.depth < self.K:
+            tokens = np.pad(tokens, ((0, 0), (0, self.K - tree.depth)))
+            aux = jnp.pad(aux, ((0, 0), (0, self.K - tree.depth), (0, 0)))
+        t2 = time.perf_counter()
+        for c in count[live]:
+            self.spec.target_forwards += 1
+            self.spec.emitted += int(c)
+            for depth in range(int(c) - 1):
+                self.spec.accepted_per_position[depth] += 1
+        self.spec.steps += 1
+        self.spec.draft_s += t1 - t0
+        self.spec.verify_s += t2 - t1
+        self.stats.decode_steps += 1
+        return tokens, count, aux, cache, dcache
 
     def stream(
         self,
@@ -189,51 +342,11 @@ class SpeculativeGenerator(Generator):
             prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids
         )
         lengths = np.array([len(p) for p in prompts] + [1] * (B - n), np.int32)
-        C = self.K + 1
-
         t0 = time.perf_counter()
-        dcache = new_drafter_cache(self.dcfg, B, self.num_slots)
-        if self.mesh is not None:
-            from peagle_jax import sharding
-
-            dcache = (sharding.shard_cache if self.shard_drafter else sharding.replicate)(dcache, self.mesh)
-        last_aux = [None]
-
-        def seed_drafter(out, start, T):
-            nonlocal dcache
-            # Element j pairs prompt token j+1 with the target aux of j; the last one (the first
-            # generated token) is unknown yet and written by the first draft.
-            toks = np.zeros((B, T), np.int32)
-            for b, p in enumerate(prompts):
-                piece = p[start + 1 : start + 1 + T]
-                toks[b, : len(piece)] = piece
-            dcache = drafter_prefill(
-                self.dparams,
-                dcache,
-                jnp.asarray(toks),
-                out.aux,
-                jnp.full(B, start, jnp.int32),
-                self.embed,
-                cfg=self.dcfg,
-                window=self.window(start + T),
-            )
-            at = np.clip(lengths - 1 - start, 0, T - 1)
-            here = jnp.asarray((lengths - 1 >= start) & (lengths - 1 < start + T))[:, None]
-            aux_last = jnp.take_along_axis(out.aux, jnp.asarray(at)[:, None, None], axis=1)[:, 0]
-            last_aux[0] = aux_last if last_aux[0] is None else jnp.where(here, aux_last, last_aux[0])
-
-        logits, cache = self.prefill(prompts, B, on_chunk=seed_drafter)
+        logits, cache, dcache, last_aux = self.prefill_both(prompts, B)
         first = np.asarray(sample_jit(logits, sampling, seeds, jnp.asarray(lengths), greedy_only=greedy_only))
         self.stats.prefill_s += time.perf_counter() - t0
-
-        # Drafter context for the first step: one element (first token, aux of the last prompt position).
-        ctx_tokens = np.zeros((B, C), np.int32)
-        ctx_tokens[:, 0] = first
-        ctx_aux = jnp.zeros((B, C, last_aux[0].shape[-1]), last_aux[0].dtype).at[:, 0].set(last_aux[0])
-        ctx_count = np.ones(B, np.int32)
-        ctx_start = lengths - 1  # drafter position of the context's first element
-        q = lengths.copy()  # position of each row's root (last committed token, not yet in the target cache)
-        root = first.copy()
+        state = SpecState.start(first, last_aux, lengths, self.K + 1)
         done = np.zeros(B, bool)
         done[n:] = True
         produced = np.zeros(B, np.int32)
@@ -242,78 +355,17 @@ class SpeculativeGenerator(Generator):
             self._emit(b, [int(first[b])], gained, produced, done, stops, max_new_tokens)
         yield gained
         while not done.all():
-            t0 = time.perf_counter()
-            window = self.window(int(q[~done].max()) + self.tree.size + 1)
-            if self.fused:
-                # One window for both halves (the larger: a wider window is always safe), so the fused
-                # graphs are one per window bucket, not one per (draft window, verify window) pair.
-                window = max(window, self._draft_window(ctx_start))
-                out, cache, dcache = fused_step(
-                    self.params,
-                    cache,
-                    self.dparams,
-                    dcache,
-                    jnp.asarray(ctx_tokens),
-                    ctx_aux,
-                    jnp.asarray(ctx_count),
-                    jnp.asarray(ctx_start),
-                    self.mask_g,
-                    self.embed,
-                    jnp.asarray(root),
-                    jnp.asarray(q),
-                    seeds,
-                    sampling,
-                    cfg=self.cfg,
-                    dcfg=self.dcfg,
-                    tree=self.tree,
-                    sequential=self.sequential,
-                    draft_window=window,
-                    window=window,
-                    greedy_only=greedy_only,
-                )
-                t1 = t0  # one launch: its whole time is counted as verify
-            else:
-                draft, dcache = self._draft(dcache, ctx_tokens, ctx_aux, ctx_count, ctx_start)
-                jax.block_until_ready(draft)
-                t1 = time.perf_counter()
-                out, cache = verify(
-                    self.params,
-                    cache,
-                    jnp.asarray(root),
-                    draft.tokens,
-                    jnp.asarray(q),
-                    seeds,
-                    sampling,
-                    cfg=self.cfg,
-                    tree=self.tree,
-                    window=window,
-                    greedy_only=greedy_only,
-                )
-            tokens, count = np.asarray(out.tokens), np.asarray(out.count)
+            live = ~done
+            tokens, count, aux, cache, dcache = self.step(
+                cache, dcache, state, seeds, sampling, greedy_only=greedy_only, live=live
+            )
             t2 = time.perf_counter()
             gained = [[] for _ in range(n)]
-            live = ~done
             for b in range(n):
                 if live[b]:
-                    c = int(count[b])
-                    self.spec.target_forwards += 1
-                    self.spec.emitted += c
-                    for depth in range(c - 1):
-                        self.spec.accepted_per_position[depth] += 1
-                    self._emit(b, tokens[b, :c].tolist(), gained, produced, done, stops, max_new_tokens)
-            # Next step: live rows advance; finished and padding rows stay in place.
-            step = np.where(live, count, 0)
-            ctx_start = np.where(live, q, ctx_start)
-            q = q + step
-            root = np.where(live, tokens[np.arange(B), np.maximum(count - 1, 0)], root)
-            ctx_tokens = np.where(live[:, None], tokens, ctx_tokens)
-            ctx_count = np.where(live, count, ctx_count)
-            ctx_aux = jnp.where(jnp.asarray(live)[:, None, None], out.aux, ctx_aux)
-            self.spec.steps += 1
-            self.spec.draft_s += t1 - t0
-            self.spec.verify_s += t2 - t1
+                    self._emit(b, tokens[b, : int(count[b])].tolist(), gained, produced, done, stops, max_new_tokens)
+            state.advance(tokens, count, aux, live)
             self.spec.host_s += time.perf_counter() - t2
-            self.stats.decode_steps += 1
             yield gained
 
     def warmup(self, batch: int, prompt_len: int, max_new_tokens: int, *, greedy_only: bool = True) -> float:

@@ -137,12 +137,14 @@ def _node_choices(logits_BTV, sampling, seeds_B, positions_BT, greedy_only):
 
 def _compact(cache_BGSH, q_B, path_BK):
     """Move the accepted path's entries (tree node slots ``q + node``) to slots ``q + 1 .. q + K``."""
-    B = cache_BGSH.shape[0]
+    B = q_B.shape[0]  # the cache may hold more rows; those beyond B are left as they are
     src_BK = q_B[:, None] + path_BK
     rows = []
     for b in range(B):
         moved_GKH = jnp.take(cache_BGSH[b], src_BK[b], axis=1)
         rows.append(jax.lax.dynamic_update_slice(cache_BGSH[b], moved_GKH, (0, q_B[b] + 1, 0)))
+    if B < cache_BGSH.shape[0]:
+        rows.extend(cache_BGSH[B:])
     return jnp.stack(rows)
 
 

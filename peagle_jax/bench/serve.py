@@ -1,0 +1,221 @@
+"""``python -m peagle_jax.bench.serve``: throughput and latency of ``python -m peagle_jax.serve`` at several
+concurrency levels, speculation off and on, in one run.
+
+For each mode (plain; speculative with ``--drafter``, by default a random SmolLM2-sized P-EAGLE drafter;
+speculative with a smaller K under load, ``--load-k``) the benchmark starts the server with the same model
+and flags, waits until its graphs are compiled, and at each concurrency level c runs ``--rounds`` x c
+streamed greedy completions from c client threads (each client sends its next request when the previous
+one ends). Per request it records the time to the first token (TTFT) and the time per output token after
+it (TPOT); per level the output-token throughput (generated tokens / wall time). Prints a markdown table
+and, with ``--json FILE``, the raw numbers.
+
+A random drafter accepts almost nothing, so its numbers show the cost of speculation without its gain:
+they are a floor, not what a trained drafter reaches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+PROMPTS = [
+    "Explain how a CPU cache works.",
+    "Write a short story about a lighthouse keeper.",
+    "List five uses of a paperclip.",
+    "What is speculative decoding in language models?",
+    "Describe the water cycle to a child.",
+    "Give three tips for writing clear code.",
+    "Summarize the plot of a heist movie you invent.",
+    "Why is the sky blue?",
+]
+
+
+def _percentile(values, q):
+    values = sorted(values)
+    if not values:
+        return float("nan")
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(flags: list[str], log: Path, timeout: float = 1800):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "peagle_jax.serve", *flags, "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=dict(os.environ))
+    import urllib.request
+
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited:\n{log.read_text()}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc, port, time.time() - t0
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError(f"server not ready after {timeout} s:\n{log.read_text()}")
+
+
+def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    first = None
+    usage = None
+    for chunk in client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+    ):
+        if first is None and chunk.choices and chunk.choices[0].text:
+            first = time.perf_counter()
+        if chunk.usage:
+            usage = chunk.usage
+    end = time.perf_counter()
+    first = first or end
+    n = usage.completion_tokens
+    return {"ttft": first - t0, "tpot": (end - first) / (n - 1) if n > 1 else float("nan"), "tokens": n, "end": end}
+
+
+def run_level(base: str, model: str, concurrency: int, rounds: int, max_tokens: int) -> dict:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=3600)
+    results: list[dict] = []
+    lock = threading.Lock()
+
+    def worker(i):
+        for r in range(rounds):
+            prompt = f"{PROMPTS[(i + r) % len(PROMPTS)]} (#{i}.{r})"
+            out = one_request(client, model, prompt, max_tokens)
+            with lock:
+                results.append(out)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    tokens = sum(r["tokens"] for r in results)
+    tpots = [r["tpot"] for r in results if r["tpot"] == r["tpot"]]
+    ttfts = [r["ttft"] for r in results]
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "tokens": tokens,
+        "wall_s": wall,
+        "throughput_tok_s": tokens / wall,
+        "ttft_p50_s": _percentile(ttfts, 0.5),
+        "ttft_p99_s": _percentile(ttfts, 0.99),
+        "tpot_p50_s": _percentile(tpots, 0.5),
+        "tpot_p99_s": _percentile(tpots, 0.99),
+    }
+
+
+def scrape_acceptance(base: str) -> float | None:
+    import urllib.request
+
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("peagle_acceptance_length "):
+                return float(line.split()[1])
+    return None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.serve", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
+    p.add_argument("--drafter", help="drafter directory (default: a random SmolLM2-sized P-EAGLE drafter)")
+    p.add_argument("--k", type=int, default=3, help="draft tokens per step in the speculative mode (default 3)")
+    p.add_argument(
+        "--load-k", default="4:1", help="also run speculation with this --load-k policy ('' to skip; default 4:1)"
+    )
+    p.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts (default 1,4,16)")
+    p.add_argument("--rounds", type=int, default=2, help="requests per client per level (default 2)")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default 48)")
+    p.add_argument("--max-seq-len", type=int, default=256, help="server --max-seq-len (default 256)")
+    p.add_argument("--platform", help="server --platform (default: the server's, cpu)")
+    p.add_argument("--json", help="also write the results to this JSON file")
+    args = p.parse_args(argv)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    drafter = args.drafter
+    if drafter is None:
+        import jax
+
+        from peagle_jax.bench.draft import smollm2_sized_drafter
+        from peagle_jax.drafter.load import save_drafter
+        from peagle_jax.drafter.model import init_drafter_params
+
+        dcfg = smollm2_sized_drafter(2, 49152).replace(own_embedding=False)
+        drafter = tempfile.mkdtemp(prefix="peagle-bench-drafter-")
+        save_drafter(drafter, dcfg, init_drafter_params(dcfg, jax.random.key(0)))
+    common = ["--model", args.model, "--max-batch", str(max(levels)), "--max-seq-len", str(args.max_seq_len)]
+    if args.platform:
+        common += ["--platform", args.platform]
+    model = "smollm2" if args.model == "smollm2" else Path(args.model).resolve().name
+    spec = [*common, "--drafter", drafter, "--k", str(args.k)]
+    modes = {"plain": common, f"speculative K={args.k}": spec}
+    if args.load_k:
+        modes[f"speculative K={args.k}, --load-k {args.load_k}"] = [*spec, "--load-k", args.load_k]
+    out = {"config": vars(args), "modes": {}}
+    logdir = Path(tempfile.mkdtemp(prefix="peagle-bench-serve-"))
+    for name, flags in modes.items():
+        proc, port, ready_s = start_server(flags, logdir / f"mode{len(out['modes'])}.log")
+        base = f"http://127.0.0.1:{port}"
+        try:
+            run_level(base, model, 1, 1, 4)  # one short request first: the client and server paths are warm
+            rows = []
+            for c in levels:
+                rows.append(run_level(base, model, c, args.rounds, args.max_tokens))
+                print(f"{name} c={c}: {rows[-1]['throughput_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+            out["modes"][name] = {"ready_s": ready_s, "levels": rows, "acceptance_length": scrape_acceptance(base)}
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    print(table(out))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+def table(out: dict) -> str:
+    names = list(out["modes"])
+    lines = [
+        "| mode | clients | requests | throughput tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | vs plain |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    plain = {r["concurrency"]: r["throughput_tok_s"] for r in out["modes"][names[0]]["levels"]}
+    for name in names:
+        for r in out["modes"][name]["levels"]:
+            lines.append(
+                f"| {name} | {r['concurrency']} | {r['requests']} | {r['throughput_tok_s']:.1f} | "
+                f"{1e3 * r['ttft_p50_s']:.0f} / {1e3 * r['ttft_p99_s']:.0f} | "
+                f"{1e3 * r['tpot_p50_s']:.0f} / {1e3 * r['tpot_p99_s']:.0f} | "
+                f"{r['throughput_tok_s'] / plain[r['concurrency']]:.2f}x |"
+            )
+    for name in names[1:]:
+        acc = out["modes"][name]["acceptance_length"]
+        if acc is not None:
+            lines.append(f"\n{name}: acceptance length {acc:.3f} tokens per target forward")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

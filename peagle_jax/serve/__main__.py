@@ -1,0 +1,228 @@
+"""``python -m peagle_jax.serve``: an OpenAI-compatible HTTP server with continuous batching.
+
+Examples::
+
+    python -m peagle_jax.serve                                   # embedded SmolLM2 on 127.0.0.1:8000
+    python -m peagle_jax.serve --model /path/to/hf_model --drafter /path/to/drafter --k 5 --max-batch 8
+    python -m peagle_jax.serve serve                             # SageMaker: 0.0.0.0:8080, /opt/ml/model
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+from pathlib import Path
+
+from peagle_jax.errors import UserError
+
+SAGEMAKER_MODEL_DIR = Path("/opt/ml/model")
+SAGEMAKER_PORT = 8080
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m peagle_jax.serve",
+        description="OpenAI-compatible server (completions, chat, streaming, metrics, SageMaker /ping and "
+        "/invocations) with continuous batching over fixed slots and optional P-EAGLE speculative decoding.",
+    )
+    p.add_argument(
+        "mode",
+        nargs="?",
+        choices=["serve"],
+        help="'serve' is how SageMaker starts a container (docker run IMAGE serve): same as --sagemaker",
+    )
+    p.add_argument(
+        "--model",
+        help="Hugging Face model directory, or 'smollm2' for the embedded SmolLM2-135M-Instruct (default; with "
+        "--sagemaker: /opt/ml/model when it holds a config.json)",
+    )
+    p.add_argument(
+        "--drafter",
+        help="drafter directory (speculators / EAGLE / converted); enables speculative decoding (default: none; "
+        "with --sagemaker: /opt/ml/model/drafter when present)",
+    )
+    p.add_argument("--k", type=int, help="draft tokens per step (default: the drafter config's)")
+    p.add_argument("--tree", help="static draft tree as comma-separated rank paths, e.g. 0,1,00,10 (default: chain)")
+    p.add_argument("--sequential", action="store_true", help="EAGLE-3 sequential drafting instead of parallel")
+    p.add_argument("--fused", action="store_true", help="draft and verify in one graph per step")
+    p.add_argument(
+        "--load-k",
+        help="speculate less under load: N:K pairs, e.g. '4:2,12:1' = with at least 4 active requests draft "
+        "and verify a chain of 2, with 12 a chain of 1 (default: always --k / --tree)",
+    )
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; --sagemaker: 0.0.0.0)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8000; --sagemaker: 8080)")
+    p.add_argument("--max-batch", type=int, default=8, help="slots: requests decoded together (default 8)")
+    p.add_argument(
+        "--max-seq-len", type=int, default=2048, help="context per request: prompt + max_tokens (default 2048)"
+    )
+    p.add_argument(
+        "--max-queue", type=int, default=64, help="requests waiting for a slot before 429 answers (default 64)"
+    )
+    p.add_argument(
+        "--platform",
+        default="cpu",
+        help="cpu (default), gpu, tpu or neuron; an accelerator needs its JAX plugin (the error says how to install it)",
+    )
+    p.add_argument(
+        "--compilation-cache",
+        help="JAX persistent compilation cache directory, or 'none' to disable (default ~/.cache/peagle_jax/jax-cache)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="weights/compute dtype (default float32)",
+    )
+    p.add_argument("--served-model-name", help="the `model` name clients use (default: 'smollm2' or the dir name)")
+    p.add_argument("--sagemaker", action="store_true", help="SageMaker container contract (port 8080, /opt/ml/model)")
+    p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    return p
+
+
+def select_platform(platform: str, compilation_cache: str | None) -> None:
+    """Point JAX at ``platform`` (and its compilation caches) before anything touches a device: the shared
+    :func:`peagle_jax.platform.select_platform`, as ``generate`` does."""
+    from peagle_jax.platform import default_cache_dir
+    from peagle_jax.platform import select_platform as select
+
+    cache = compilation_cache or default_cache_dir()
+    select(platform, compilation_cache=None if str(cache) == "none" else cache)
+
+
+def resolve(args) -> argparse.Namespace:
+    """Apply the SageMaker defaults and check the flags; returns args with every default filled in."""
+    sagemaker = args.sagemaker or args.mode == "serve"
+    if sagemaker:
+        if args.model is None and (SAGEMAKER_MODEL_DIR / "config.json").exists():
+            args.model = str(SAGEMAKER_MODEL_DIR)
+        if args.drafter is None and (SAGEMAKER_MODEL_DIR / "drafter" / "config.json").exists():
+            args.drafter = str(SAGEMAKER_MODEL_DIR / "drafter")
+    args.sagemaker = sagemaker
+    args.model = args.model or "smollm2"
+    args.host = args.host or ("0.0.0.0" if sagemaker else "127.0.0.1")
+    args.port = args.port if args.port is not None else (SAGEMAKER_PORT if sagemaker else 8000)
+    if args.drafter is None and (args.k is not None or args.tree or args.sequential or args.fused or args.load_k):
+        raise UserError("--k, --tree, --sequential, --fused and --load-k need --drafter")
+    args.load_k = parse_load_k(args.load_k)
+    for flag, value, low in (
+        ("--max-batch", args.max_batch, 1),
+        ("--max-seq-len", args.max_seq_len, 2),
+        ("--max-queue", args.max_queue, 1),
+        ("--k", args.k, 1),
+    ):
+        if value is not None and value < low:
+            raise UserError(f"{flag} must be >= {low}, got {value}")
+    if not 0 <= args.port < 65536:
+        raise UserError(f"--port must be in 0..65535, got {args.port}")
+    return args
+
+
+def parse_load_k(spec: str | None) -> list[tuple[int, int]]:
+    """``'4:2,12:1'`` -> [(4, 2), (12, 1)]."""
+    if not spec:
+        return []
+    try:
+        pairs = [tuple(int(x) for x in item.split(":")) for item in spec.split(",") if item.strip()]
+    except ValueError:
+        pairs = []
+    if not pairs or any(len(p) != 2 for p in pairs):
+        raise UserError(f"--load-k {spec!r}: expected comma-separated N:K pairs, e.g. 4:2,12:1")
+    return pairs
+
+
+def load(args):
+    """(generator, tokenizer, stop ids, model name) for the resolved args."""
+    from peagle_jax.checkpoint import load_target_any
+    from peagle_jax.engine import Generator
+    from peagle_jax.generate import load_tokenizer, resolve_model_dir, speculative_generator
+
+    model_dir = resolve_model_dir(args.model)
+    tokenizer = load_tokenizer(model_dir)
+    if args.drafter is None:
+        cfg, params = load_target_any(model_dir, dtype=args.dtype)
+        gen = Generator(cfg, params, max_seq_len=args.max_seq_len)
+    else:
+        gen = speculative_generator(args, model_dir)
+    stops = set(gen.cfg.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        stops.add(tokenizer.eos_token_id)
+    name = args.served_model_name or ("smollm2" if args.model == "smollm2" else Path(args.model).resolve().name)
+    return gen, tokenizer, tuple(sorted(stops)), name
+
+
+def curl_example(host: str, port: int, name: str) -> str:
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    body = f'{{"model": "{name}", "messages": [{{"role": "user", "content": "Say hello."}}], "max_tokens": 32}}'
+    return f"curl -s http://{shown}:{port}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args = resolve(args)
+        select_platform(args.platform, args.compilation_cache)
+        gen, tokenizer, stops, name = load(args)
+        from peagle_jax.serve.slots import SlotEngine
+
+        engine = SlotEngine(gen, args.max_batch, load_k=args.load_k)
+    except (UserError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return serve(args, engine, tokenizer, stops, name)
+
+
+def serve(args, engine, tokenizer, stops, name) -> int:
+    import uvicorn
+
+    from peagle_jax.serve.app import ServerState, build_app
+    from peagle_jax.serve.metrics import Metrics
+    from peagle_jax.serve.worker import EngineWorker
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log = logging.getLogger("peagle_jax.serve")
+    metrics = Metrics()
+    metrics.max_slots = engine.B
+    metrics.spec_stats = engine.gen.spec if engine.speculative else None
+    metrics.steps_by_k = engine.steps_by_k if engine.speculative else None
+    worker = EngineWorker(engine, max_queue=args.max_queue, metrics=metrics)
+    metrics.queue_depth = lambda: worker.queue_depth
+    metrics.active_slots = lambda: engine.active
+    state = ServerState(worker, tokenizer, name, args.max_seq_len, stops)
+
+    def progress(done, total):
+        if done == total or done % 8 == 0:
+            log.info("compiling graphs: %d/%d", done, total)
+
+    async def announce():
+        await asyncio.get_running_loop().run_in_executor(None, _wait_ready, worker)
+        if worker.failed or not worker.ready.is_set():
+            log.error("warm-up failed; /health stays 503")
+            return
+        print(f"ready: serving {name!r} on http://{args.host}:{args.port} (warm-up {worker.warmup_s:.1f} s)")
+        print(curl_example(args.host, args.port, name), flush=True)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        log.info("compiling graphs on %s:%d (/health answers 503 until done)", args.host, args.port)
+        worker.start(progress=progress)
+        task = asyncio.create_task(announce())
+        yield
+        task.cancel()
+
+    app = build_app(state, lifespan=lifespan)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0
+
+
+def _wait_ready(worker) -> None:
+    while not worker.ready.wait(0.2):
+        if worker.failed or not worker.alive:
+            return
+
+
+if __name__ == "__main__":
+    sys.exit(main())

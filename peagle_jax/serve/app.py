@@ -1,0 +1,347 @@
+"""The ASGI application (Starlette): OpenAI completions and chat completions (plain JSON or server-sent
+events), models, health, metrics and the SageMaker ``/ping`` and ``/invocations``.
+
+A handler validates the request (:mod:`peagle_jax.serve.protocol`), turns it into token ids and a
+:class:`SlotRequest`, checks it against the engine's limits, and submits it to the engine thread; events
+come back on an ``asyncio.Queue``. Text is decoded incrementally (:class:`TextStream`), which also applies
+the ``stop`` strings. A client that disconnects cancels its request; every error is an OpenAI-style body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import secrets
+import time
+import traceback
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from peagle_jax.engine import RequestError
+from peagle_jax.serve import protocol
+from peagle_jax.serve.protocol import APIError, ChatRequest, CompletionRequest
+from peagle_jax.serve.slots import SlotRequest
+from peagle_jax.serve.worker import EngineWorker, Failure, QueueFull
+
+log = logging.getLogger("peagle_jax.serve")
+DEFAULT_COMPLETION_TOKENS = 16  # the OpenAI default for /v1/completions; chat defaults to the remaining context
+
+
+@dataclasses.dataclass
+class ServerState:
+    worker: EngineWorker
+    tokenizer: object | None
+    model_name: str
+    max_seq_len: int
+    stop_token_ids: tuple[int, ...]
+    retry_after_s: int = 1
+
+
+class TextStream:
+    """Incremental detokenization with stop strings: :meth:`feed` returns the text that is safe to send
+    (never half a multi-byte character, never a prefix that could still become a stop string)."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.ids: list[int] = []
+        self.sent = 0
+        self.stopped = False
+        self.text = ""
+
+    def feed(self, ids: list[int], final: bool = False) -> str:
+        self.ids += ids
+        if self.tokenizer is None:
+            text = "".join(f"{t}," for t in self.ids)  # no tokenizer: the ids, comma-terminated
+        else:
+            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            text, self.stopped, final = text[: min(hits)], True, True
+        safe = len(text)
+        if not final:
+            if text.endswith("\ufffd"):
+                safe = len(text.rstrip("\ufffd"))
+            for s in self.stops:  # hold back a tail that may be the start of a stop string
+                for n in range(min(len(s) - 1, safe), 0, -1):
+                    if text[safe - n : safe] == s[:n]:
+                        safe -= n
+                        break
+        self.text = text
+        delta, self.sent = text[self.sent : max(safe, self.sent)], max(safe, self.sent)
+        return delta
+
+
+def _error(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def build_app(state: ServerState, lifespan=None) -> Starlette:
+    worker, metrics = state.worker, state.worker.metrics
+
+    def prompt_ids(req) -> list[int]:
+        tok = state.tokenizer
+        if isinstance(req, ChatRequest):
+            if tok is None or not getattr(tok, "chat_template", None):
+                raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+            try:
+                ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            except Exception as err:  # noqa: BLE001 - a template may refuse a conversation (e.g. role order)
+                raise APIError(400, f"the chat template refused these messages: {err}", param="messages") from None
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        prompt = req.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if tok is None:
+                raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
+            return list(tok.encode(prompt))
+        return list(prompt)
+
+    def slot_request(req) -> SlotRequest:
+        if req.model != state.model_name:
+            raise APIError(
+                404,
+                f"model {req.model!r} does not exist; this server serves {state.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        ids = prompt_ids(req)
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        room = state.max_seq_len - len(ids)
+        if room < 1:
+            raise APIError(
+                400,
+                f"the prompt has {len(ids)} tokens; the context holds {state.max_seq_len}",
+                param="messages" if isinstance(req, ChatRequest) else "prompt",
+                code="context_length_exceeded",
+            )
+        max_tokens = req.max_tokens
+        if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
+            max_tokens = req.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = room if isinstance(req, ChatRequest) else min(DEFAULT_COMPLETION_TOKENS, room)
+        if max_tokens > room:
+            raise APIError(
+                400,
+                f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                f"context of {state.max_seq_len} tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        temperature = 1.0 if req.temperature is None else float(req.temperature)
+        seed = secrets.randbits(32) if req.seed is None else req.seed & 0xFFFFFFFF
+        sreq = SlotRequest(
+            ids,
+            max_tokens,
+            temperature,
+            req.top_k or 0,
+            1.0 if req.top_p is None else req.top_p,
+            seed,
+            state.stop_token_ids,
+        )
+        try:
+            worker.engine.check(sreq)
+        except RequestError as err:
+            raise APIError(400, str(err)) from None
+        return sreq
+
+    async def generate(request: Request, req, endpoint: str):
+        sreq = slot_request(req)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        try:
+            worker.submit(sreq, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        except QueueFull:
+            raise APIError(
+                429,
+                "the server is at capacity; retry later",
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(state.retry_after_s)},
+            ) from None
+        text = TextStream(state.tokenizer, protocol.stop_strings(req))
+        rid = ("chatcmpl-" if isinstance(req, ChatRequest) else "cmpl-") + secrets.token_hex(12)
+        fmt = _Formatter(rid, state.model_name, isinstance(req, ChatRequest), len(sreq.prompt))
+        if req.stream:
+            return StreamingResponse(
+                _sse(worker, sreq, events, text, fmt, metrics, endpoint),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        finish, produced = None, 0
+        try:
+            while finish is None:
+                try:
+                    ev = await asyncio.wait_for(events.get(), timeout=0.25)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        metrics.request(endpoint, "client_gone")
+                        return Response(status_code=499)
+                    continue
+                if isinstance(ev, Failure):
+                    raise APIError(
+                        ev.status, ev.message, type="server_error" if ev.status >= 500 else "invalid_request_error"
+                    )
+                produced += len(ev.tokens)
+                text.feed(ev.tokens, final=ev.finish_reason is not None)
+                finish = "stop" if text.stopped else ev.finish_reason
+        finally:
+            if finish is None or text.stopped:
+                worker.cancel(sreq.id)
+        metrics.tokens(len(sreq.prompt), produced)
+        metrics.request(endpoint, "ok")
+        return JSONResponse(fmt.full(text.text, finish, produced))
+
+    async def completions(request: Request):
+        return await generate(request, protocol.parse(CompletionRequest, await request.body()), "completions")
+
+    async def chat(request: Request):
+        return await generate(request, protocol.parse(ChatRequest, await request.body()), "chat")
+
+    async def invocations(request: Request):
+        body = await request.body()
+        try:
+            is_chat = "messages" in json.loads(body)
+        except (ValueError, TypeError):
+            is_chat = False
+        schema = ChatRequest if is_chat else CompletionRequest
+        return await generate(request, protocol.parse(schema, body), "invocations")
+
+    async def models(request: Request):
+        created = int(time.time())
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": state.model_name,
+                        "object": "model",
+                        "created": created,
+                        "owned_by": "peagle_jax",
+                        "max_model_len": state.max_seq_len,
+                    }
+                ],
+            }
+        )
+
+    async def health(request: Request):
+        if worker.ready.is_set() and worker.alive:
+            return JSONResponse({"status": "ok"})
+        status = "failed" if worker.failed else "loading"
+        return JSONResponse({"status": status}, status_code=503)
+
+    async def metrics_text(request: Request):
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    def endpoint_of(request: Request) -> str:
+        return {"/v1/completions": "completions", "/v1/chat/completions": "chat"}.get(request.url.path, "invocations")
+
+    async def on_api_error(request: Request, err: APIError):
+        outcome = "rejected" if err.status == 429 else "bad_request" if err.status < 500 else "error"
+        metrics.request(endpoint_of(request), outcome)
+        return _error(err)
+
+    async def on_http_error(request: Request, err: HTTPException):
+        kind = "not_found" if err.status_code == 404 else "invalid_request_error"
+        return _error(APIError(err.status_code, f"{request.method} {request.url.path}: {err.detail}", type=kind))
+
+    async def on_crash(request: Request, err: Exception):
+        log.error("request failed:\n%s", traceback.format_exc())
+        metrics.request(endpoint_of(request), "error")
+        return _error(APIError(500, "internal server error", type="server_error"))
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ping", health, methods=["GET"]),
+        Route("/invocations", invocations, methods=["POST"]),
+        Route("/metrics", metrics_text, methods=["GET"]),
+    ]
+    handlers = {APIError: on_api_error, HTTPException: on_http_error, Exception: on_crash}
+    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+
+
+class _Formatter:
+    """OpenAI response objects for one request."""
+
+    def __init__(self, rid: str, model: str, chat: bool, prompt_tokens: int):
+        self.rid, self.model, self.chat, self.prompt_tokens = rid, model, chat, prompt_tokens
+        self.created = int(time.time())
+
+    def usage(self, produced: int) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": produced,
+            "total_tokens": self.prompt_tokens + produced,
+        }
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, text: str, finish: str, produced: int) -> dict:
+        if self.chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+            return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage(produced)}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {**self._head("text_completion"), "choices": [choice], "usage": self.usage(produced)}
+
+    def chunk(self, delta: str, finish: str | None = None, produced: int | None = None, first=False) -> str:
+        if self.chat:
+            d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
+            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            obj = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        else:
+            obj = {
+                **self._head("text_completion"),
+                "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}],
+            }
+        if produced is not None:
+            obj["usage"] = self.usage(produced)
+        return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _sse(worker, sreq, events, text: TextStream, fmt: _Formatter, metrics, endpoint):
+    """Server-sent events: a first chunk, one per step with new text, a last one with the finish reason and
+    usage, then ``data: [DONE]``. If the client goes away the task is cancelled and ``finally`` frees the
+    slot."""
+    finish, produced = None, 0
+    try:
+        if fmt.chat:
+            yield fmt.chunk("", first=True)
+        while finish is None:
+            ev = await events.get()
+            if isinstance(ev, Failure):
+                body = APIError(ev.status, ev.message, type="server_error").body()
+                yield f"data: {json.dumps(body)}\n\n"
+                metrics.request(endpoint, "error")
+                finish = "error"
+                return
+            produced += len(ev.tokens)
+            delta = text.feed(ev.tokens, final=ev.finish_reason is not None)
+            finish = "stop" if text.stopped else ev.finish_reason
+            if delta and finish is None:
+                yield fmt.chunk(delta)
+        yield fmt.chunk(delta, finish, produced)
+        yield "data: [DONE]\n\n"
+        metrics.tokens(len(sreq.prompt), produced)
+        metrics.request(endpoint, "ok")
+    finally:
+        if finish is None or text.stopped:
+            worker.cancel(sreq.id)
+            if finish is None:
+                metrics.request(endpoint, "client_gone")

@@ -1,0 +1,130 @@
+"""Server metrics in the Prometheus text exposition format (``GET /metrics``), with no client library.
+
+Counters and the step-time histogram are written by the engine thread and the HTTP handlers under one
+lock; gauges (queue depth, active slots) and the speculative acceptance figures are read when rendered.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+PREFIX = "peagle"
+
+
+class Metrics:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.requests: dict[tuple[str, str], int] = {}  # (endpoint, outcome) -> count
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.step_count = 0
+        self.step_sum = 0.0
+        self.step_buckets = [0] * len(STEP_BUCKETS)
+        self.ttft_sum = 0.0
+        self.ttft_count = 0
+        # Set by the server: () -> value.
+        self.queue_depth: Callable[[], int] = lambda: 0
+        self.active_slots: Callable[[], int] = lambda: 0
+        self.max_slots = 0
+        self.spec_stats = None  # a SpecStats, when serving with a drafter
+        self.steps_by_k: dict[int, int] | None = None  # speculative steps at each K (the engine's dict)
+
+    def request(self, endpoint: str, outcome: str) -> None:
+        with self._lock:
+            key = (endpoint, outcome)
+            self.requests[key] = self.requests.get(key, 0) + 1
+
+    def tokens(self, prompt: int, completion: int) -> None:
+        with self._lock:
+            self.prompt_tokens += prompt
+            self.completion_tokens += completion
+
+    def step(self, seconds: float) -> None:
+        with self._lock:
+            self.step_count += 1
+            self.step_sum += seconds
+            for i, edge in enumerate(STEP_BUCKETS):
+                if seconds <= edge:
+                    self.step_buckets[i] += 1
+
+    def first_token(self, seconds: float) -> None:
+        with self._lock:
+            self.ttft_sum += seconds
+            self.ttft_count += 1
+
+    def render(self) -> str:
+        """The exposition text: ``# HELP`` / ``# TYPE`` then samples, one metric family at a time."""
+        p = PREFIX
+        out: list[str] = []
+
+        def family(name, kind, help_text, samples):
+            out.append(f"# HELP {p}_{name} {help_text}")
+            out.append(f"# TYPE {p}_{name} {kind}")
+            for suffix, labels, value in samples:
+                lab = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
+                out.append(f"{p}_{name}{suffix}{lab} {value}")
+
+        with self._lock:
+            family(
+                "requests_total",
+                "counter",
+                "Requests by endpoint and outcome (ok, client_gone, bad_request, rejected, error).",
+                [("", {"endpoint": e, "outcome": o}, n) for (e, o), n in sorted(self.requests.items())],
+            )
+            family("prompt_tokens_total", "counter", "Prompt tokens.", [("", {}, self.prompt_tokens)])
+            family("completion_tokens_total", "counter", "Tokens generated.", [("", {}, self.completion_tokens)])
+            cumulative = [("_bucket", {"le": str(e)}, n) for e, n in zip(STEP_BUCKETS, self.step_buckets, strict=True)]
+            family(
+                "step_seconds",
+                "histogram",
+                "Wall time of one engine step over all active slots.",
+                [
+                    *cumulative,
+                    ("_bucket", {"le": "+Inf"}, self.step_count),
+                    ("_sum", {}, f"{self.step_sum:.6f}"),
+                    ("_count", {}, self.step_count),
+                ],
+            )
+            family(
+                "time_to_first_token_seconds",
+                "summary",
+                "From admission to a slot until the first token (prefill).",
+                [("_sum", {}, f"{self.ttft_sum:.6f}"), ("_count", {}, self.ttft_count)],
+            )
+        family("queue_depth", "gauge", "Requests waiting for a free slot.", [("", {}, self.queue_depth())])
+        family("active_slots", "gauge", "Slots holding a request.", [("", {}, self.active_slots())])
+        family("max_slots", "gauge", "Slots (--max-batch).", [("", {}, self.max_slots)])
+        spec = self.spec_stats
+        if spec is not None:
+            forwards = spec.target_forwards
+            family(
+                "acceptance_length",
+                "gauge",
+                "Tokens emitted per target forward (1 + accepted drafts), over all requests.",
+                [("", {}, f"{spec.acceptance_length:.6f}")],
+            )
+            family("target_forwards_total", "counter", "Verify passes x live rows.", [("", {}, forwards)])
+            family(
+                "speculative_steps_total",
+                "counter",
+                "Engine steps by the number of tokens drafted (smaller under load with --load-k).",
+                [("", {"k": str(k)}, n) for k, n in sorted(dict(self.steps_by_k or {}).items())],
+            )
+            family(
+                "accepted_per_position_total",
+                "counter",
+                "Drafts accepted at each depth (1-based).",
+                [("", {"position": str(k + 1)}, n) for k, n in enumerate(spec.accepted_per_position)],
+            )
+            family(
+                "acceptance_rate",
+                "gauge",
+                "Fraction of target forwards that accepted the draft at each depth.",
+                [
+                    ("", {"position": str(k + 1)}, f"{(n / forwards if forwards else 0.0):.6f}")
+                    for k, n in enumerate(spec.accepted_per_position)
+                ],
+            )
+        return "\n".join(out) + "\n"

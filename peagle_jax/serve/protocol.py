@@ -1,0 +1,154 @@
+"""OpenAI request schemas and their validation: every bad request becomes an :class:`APIError` (a 4xx with
+an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``), never an exception that escapes.
+
+The schemas are strict: wrong JSON types are refused (no ``"1"`` for a number), unknown fields are refused
+(a parameter the server would silently ignore is a bug waiting for its user), and the OpenAI parameters
+this server does not implement are accepted only at their neutral values (``n=1``, no logprobs, zero
+penalties, no logit bias, ``echo=false``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_STOP = 4  # stop strings per request, as the OpenAI API
+
+
+class APIError(Exception):
+    """An error answered to the client with ``status`` and an OpenAI-style body."""
+
+    def __init__(
+        self, status: int, message: str, *, type: str = "invalid_request_error", param=None, code=None, headers=None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers  # extra response headers (Retry-After on a 429)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None  # usage is always sent in the last chunk
+
+
+class _Common(_Strict):
+    """Parameters shared by completions and chat completions."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # an extension (vLLM and others accept it too); 0 = off
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str]
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+def _where(loc) -> str:
+    return ".".join(str(x) for x in loc if not (isinstance(x, str) and ("[" in x or x in {"str", "int", "list"})))
+
+
+def parse(schema: type[_Common], body: bytes) -> _Common:
+    """Validate a JSON body against ``schema``; raise a 400 :class:`APIError` naming the first problem."""
+    try:
+        req = schema.model_validate_json(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = _where(first["loc"])
+        if first["type"] == "json_invalid":
+            raise APIError(400, f"the request body is not valid JSON: {first['msg']}") from None
+        if first["type"] == "extra_forbidden":
+            raise APIError(400, f"unsupported parameter: {where}", param=where, code="unsupported_parameter") from None
+        message = f"{where}: {first['msg']}" if where else first["msg"]
+        raise APIError(400, message, param=where or None) from None
+    _check_common(req)
+    if isinstance(req, CompletionRequest):
+        _refuse(req.logprobs not in (None, 0), "logprobs")
+        _refuse(req.echo not in (None, False), "echo")
+        _refuse(req.best_of not in (None, 1), "best_of")
+        _refuse(req.suffix not in (None, ""), "suffix")
+        if isinstance(req.prompt, list) and not req.prompt:
+            raise APIError(400, "prompt is empty", param="prompt")
+        if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) and len(req.prompt) > 1:
+            raise APIError(400, "one prompt per request (a list of one string at most)", param="prompt")
+    else:
+        _refuse(req.logprobs not in (None, False), "logprobs")
+        _refuse(req.top_logprobs not in (None, 0), "top_logprobs")
+        if req.max_tokens is not None and req.max_completion_tokens is not None:
+            raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
+    return req
+
+
+def _refuse(cond: bool, param: str, what: str = "is not supported by this server") -> None:
+    if cond:
+        raise APIError(400, f"{param} {what}", param=param, code="unsupported_parameter")
+
+
+def _check_common(req: _Common) -> None:
+    _refuse(req.n not in (None, 1), "n", "must be 1 (one choice per request)")
+    _refuse(req.presence_penalty not in (None, 0), "presence_penalty")
+    _refuse(req.frequency_penalty not in (None, 0), "frequency_penalty")
+    _refuse(bool(req.logit_bias), "logit_bias")
+    if req.max_tokens is not None and req.max_tokens < 1:
+        raise APIError(400, f"max_tokens must be >= 1, got {req.max_tokens}", param="max_tokens")
+    if req.temperature is not None and not 0 <= req.temperature <= 2:
+        raise APIError(400, f"temperature must be in [0, 2], got {req.temperature}", param="temperature")
+    if req.top_p is not None and not 0 < req.top_p <= 1:
+        raise APIError(400, f"top_p must be in (0, 1], got {req.top_p}", param="top_p")
+    if req.top_k is not None and not 0 <= req.top_k < 2**31:
+        raise APIError(400, f"top_k must be >= 0 (0 disables it), got {req.top_k}", param="top_k")
+    if req.seed is not None and not -(2**63) <= req.seed < 2**64:
+        raise APIError(400, "seed must be a 64-bit integer", param="seed")
+    stops = stop_strings(req)
+    if len(stops) > MAX_STOP:
+        raise APIError(400, f"at most {MAX_STOP} stop strings, got {len(stops)}", param="stop")
+    if any(s == "" for s in stops):
+        raise APIError(400, "stop strings must not be empty", param="stop")
+
+
+def stop_strings(req: _Common) -> list[str]:
+    if req.stop is None:
+        return []
+    return [req.stop] if isinstance(req.stop, str) else list(req.stop)

@@ -1,0 +1,348 @@
+"""Continuous batching over B fixed slots: one static-shape cache, requests join and leave between steps.
+
+The engine owns one target cache ``[B, ..., S]`` (and, with a drafter, one drafter cache and the draft
+context of every row). A request is prefilled alone as a 1-row batch with the generator's bucketed prefill
+graph (plus the drafter prefill), and its row is copied into a free slot by one jitted fixed-shape update
+(:func:`put_row`, the slot index is data). Each :meth:`SlotEngine.step` then advances every slot at once
+with the same graphs the batch generators use: :func:`peagle_jax.engine.decode_step` for plain decoding,
+:meth:`peagle_jax.speculative.SpeculativeGenerator.step` (draft -> verify) with a drafter.
+
+Invariants. A free slot still runs through the step (shapes never change) at a small position inside its
+own row, so it writes only its own row and nothing reads it; admitting a request overwrites the whole row.
+Sampling parameters and seeds are per-slot arrays, and a row's tokens depend only on its own prompt,
+parameters and seed (rows never attend across the batch; sampling uniforms hash the row's seed and
+position), so a request's output is the same whatever the other slots hold. The graphs compile once per
+(window bucket, all-greedy or not) and prefill bucket; :meth:`SlotEngine.warmup` compiles them all up front,
+after which requests coming and going never compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from peagle_jax import model
+from peagle_jax.drafter.model import new_drafter_cache
+from peagle_jax.engine import Generator, RequestError, decode_step, sample_jit
+from peagle_jax.sampling import SamplingParams, check_sampling_args
+from peagle_jax.speculative import SpecState, SpeculativeGenerator
+from peagle_jax.verify import Tree, chain
+
+_ids = itertools.count(1)
+
+
+@dataclasses.dataclass
+class SlotRequest:
+    """One generation request: token ids in, at most ``max_new_tokens`` out, stopping after any of
+    ``stop_token_ids`` (None: the model's EOS ids)."""
+
+    prompt: Sequence[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: Sequence[int] | None = None
+    id: int = dataclasses.field(default_factory=lambda: next(_ids))
+
+
+@dataclasses.dataclass
+class SlotEvent:
+    """Tokens a request gained in one step; ``finish_reason`` is set on its last event: "stop" (a stop
+    token, included in ``tokens``), "length" or "cancelled"."""
+
+    request: SlotRequest
+    tokens: list[int]
+    finish_reason: str | None = None
+
+
+@dataclasses.dataclass
+class _Slot:
+    request: SlotRequest
+    stops: frozenset[int]
+    produced: int = 0
+
+
+@functools.partial(jax.jit, donate_argnames=("big",))
+def put_row(big, row, b):
+    """Copy a 1-row pytree ``row`` into row ``b`` (an int32 scalar) of the B-row pytree ``big``."""
+    return jax.tree.map(lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y.astype(x.dtype), b, axis=0), big, row)
+
+
+class SlotEngine:
+    """B fixed slots over one generator (plain :class:`Generator` or :class:`SpeculativeGenerator`).
+
+    Not thread-safe: one thread calls :meth:`admit`, :meth:`cancel` and :meth:`step` (the server's engine
+    thread, :mod:`peagle_jax.serve.worker`).
+    """
+
+    def __init__(self, gen: Generator, max_batch: int, *, load_k: Sequence[tuple[int, int]] = ()):
+        if max_batch < 1:
+            raise RequestError(f"max_batch must be >= 1, got {max_batch}")
+        self.gen, self.B = gen, max_batch
+        self.speculative = isinstance(gen, SpeculativeGenerator)
+        # Under load, speculate less: with at least n active slots a step drafts and verifies a chain of k.
+        self.load_trees: list[tuple[int, Tree]] = []
+        if load_k and not self.speculative:
+            raise RequestError("a smaller K under load needs a drafter")
+        for n, k in sorted(load_k):
+            if n < 1 or not 1 <= k <= gen.K:
+                raise RequestError(f"load K {n}:{k}: need at least 1 active slot and 1 <= K' <= K = {gen.K}")
+            self.load_trees.append((n, chain(k)))
+        self.steps_by_k: dict[int, int] = {}  # speculative steps run at each K
+        self.slots: list[_Slot | None] = [None] * max_batch
+        B = max_batch
+        self.temperature = np.zeros(B, np.float32)
+        self.top_k = np.zeros(B, np.int32)
+        self.top_p = np.ones(B, np.float32)
+        self.seeds = np.zeros(B, np.uint32)
+        # A step runs only the first `rows` slots, the smallest bucket covering every busy one (admission
+        # takes the lowest free slot), so a lightly loaded server does not pay for all B rows.
+        self.row_buckets = tuple(sorted({min(1 << i, B) for i in range(B.bit_length() + 1)}))
+        self._device_params = {}
+        self.reset()
+
+    def caches_lost(self) -> bool:
+        """Whether a failed call consumed (donated) the caches, so that only :meth:`reset` can go on."""
+        caches = [self.cache] + ([self.dcache, self.state.ctx_aux] if self.speculative else [])
+        return any(x.is_deleted() for x in jax.tree.leaves(caches))
+
+    def reset(self) -> None:
+        """Fresh caches and an all-free per-slot state (also after a failed step)."""
+        gen, B = self.gen, self.B
+        self.cache = model.new_cache(gen.cfg, B, gen.num_slots)
+        if self.speculative:
+            self.dcache = new_drafter_cache(gen.dcfg, B, gen.num_slots)
+            X = len(gen.cfg.aux_layer_ids) * gen.cfg.hidden_size
+            self.state = SpecState.start(
+                np.zeros(B, np.int32), jnp.zeros((B, X), gen.cfg.jnp_dtype), np.ones(B, np.int32), gen.K + 1
+            )
+        else:
+            self.pending = np.zeros(B, np.int32)  # the token each row feeds next, at ``positions``
+            self.positions = np.zeros(B, np.int32)
+        self.slots = [None] * B
+
+    # -- bookkeeping -------------------------------------------------------------------------------------
+
+    @property
+    def active(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    @property
+    def free(self) -> int:
+        return self.B - self.active
+
+    def check(self, req: SlotRequest) -> None:
+        """Raise :class:`RequestError` when the request cannot be served (too long, bad ids or parameters)."""
+        self.gen._check([req.prompt], req.max_new_tokens)
+        try:
+            check_sampling_args(req.temperature, req.top_k, req.top_p)
+        except ValueError as err:
+            raise RequestError(str(err)) from None
+
+    def _sampling(self, rows: int):
+        """Device copies of the first ``rows`` slots' sampling parameters and seeds (kept until they change)."""
+        if rows not in self._device_params:
+            self._device_params[rows] = (
+                SamplingParams(
+                    jnp.asarray(self.temperature[:rows]), jnp.asarray(self.top_k[:rows]), jnp.asarray(self.top_p[:rows])
+                ),
+                jnp.asarray(self.seeds[:rows]),
+            )
+        return self._device_params[rows]
+
+    def rows_for(self, live) -> int:
+        """The row bucket a step needs: the smallest covering the highest busy slot."""
+        top = int(np.flatnonzero(live).max()) + 1
+        return next(r for r in self.row_buckets if r >= top)
+
+    def _emit(self, b: int, tokens) -> SlotEvent:
+        """Row b's new tokens up to its stop token or length; frees the slot when the request ends."""
+        slot = self.slots[b]
+        out, finish = [], None
+        for tok in tokens:
+            out.append(int(tok))
+            slot.produced += 1
+            if int(tok) in slot.stops:
+                finish = "stop"
+            elif slot.produced >= slot.request.max_new_tokens:
+                finish = "length"
+            if finish:
+                self._release(b)
+                break
+        return SlotEvent(slot.request, out, finish)
+
+    def _release(self, b: int) -> None:
+        """Free slot b; its row idles at a small position from now on."""
+        self.slots[b] = None
+        self.temperature[b] = 0.0
+        self._device_params = {}
+        if self.speculative:
+            s = self.state
+            s.ctx_count[b], s.ctx_start[b], s.q[b], s.root[b] = 1, 0, 1, 0
+        else:
+            self.pending[b], self.positions[b] = 0, 0
+
+    # -- requests ----------------------------------------------------------------------------------------
+
+    def admit(self, req: SlotRequest) -> SlotEvent:
+        """Prefill ``req`` into a free slot and return its first token's event (which may already finish it)."""
+        self.check(req)
+        b = self.slots.index(None)
+        gen, prompt = self.gen, list(req.prompt)
+        sampling = SamplingParams.make(1, req.temperature, req.top_k, req.top_p)
+        seed = jnp.asarray([req.seed], jnp.uint32)
+        greedy = req.temperature == 0
+        if self.speculative:
+            logits, cache1, dcache1, aux1 = gen.prefill_both([prompt], 1)
+        else:
+            logits, cache1 = gen.prefill([prompt], 1)
+        first = int(sample_jit(logits, sampling, seed, jnp.asarray([len(prompt)], jnp.int32), greedy_only=greedy)[0])
+        slot_b = jnp.int32(b)
+        if self.speculative:
+            ctx_aux1 = jnp.zeros((1, *self.state.ctx_aux.shape[1:]), aux1.dtype).at[:, 0].set(aux1)
+            self.cache, self.dcache, self.state.ctx_aux = put_row(
+                (self.cache, self.dcache, self.state.ctx_aux), (cache1, dcache1, ctx_aux1), slot_b
+            )
+            s = self.state
+            s.ctx_tokens[b] = 0
+            s.ctx_tokens[b, 0] = first
+            s.ctx_count[b], s.ctx_start[b], s.q[b], s.root[b] = 1, len(prompt) - 1, len(prompt), first
+        else:
+            self.cache = put_row(self.cache, cache1, slot_b)
+            self.pending[b], self.positions[b] = first, len(prompt)
+        self.temperature[b], self.top_k[b], self.top_p[b] = req.temperature, req.top_k, req.top_p
+        self.seeds[b] = np.uint32(req.seed & 0xFFFFFFFF)
+        self._device_params = {}
+        stops = gen.cfg.eos_token_ids if req.stop_token_ids is None else req.stop_token_ids
+        self.slots[b] = _Slot(req, frozenset(int(t) for t in stops))
+        return self._emit(b, [first])
+
+    def cancel(self, request_id: int) -> SlotEvent | None:
+        """Free the slot of request ``request_id`` at once; None when it holds no slot."""
+        for b, slot in enumerate(self.slots):
+            if slot is not None and slot.request.id == request_id:
+                self._release(b)
+                return SlotEvent(slot.request, [], "cancelled")
+        return None
+
+    def tree_for(self, active: int) -> Tree | None:
+        """The draft tree of a step with ``active`` slots busy: the smallest K' whose load it reaches (None:
+        the generator's own tree)."""
+        tree = None
+        for n, t in self.load_trees:
+            if active >= n:
+                tree = t
+        return tree
+
+    def step(self, tree: Tree | None = None) -> list[SlotEvent]:
+        """Advance every active slot by one step (1 token plain, 1..K+1 speculative); one event per slot.
+        ``tree`` overrides the load policy (:meth:`tree_for`)."""
+        live = np.array([s is not None for s in self.slots])
+        if not live.any():
+            return []
+        R = self.rows_for(live)
+        sampling, seeds = self._sampling(R)
+        greedy_only = not bool(np.any(self.temperature[live] > 0))
+        gen = self.gen
+        if self.speculative:
+            tree = tree or self.tree_for(int(live.sum()))
+            s = self.state
+            rows = SpecState(s.ctx_tokens[:R], s.ctx_aux[:R], s.ctx_count[:R], s.ctx_start[:R], s.q[:R], s.root[:R])
+            tokens_R, count_R, aux_R, self.cache, self.dcache = gen.step(
+                self.cache, self.dcache, rows, seeds, sampling, greedy_only=greedy_only, live=live[:R], tree=tree
+            )
+            k = (tree or gen.tree).depth
+            self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
+            tokens = np.zeros((self.B, tokens_R.shape[1]), np.int32)
+            count = np.zeros(self.B, np.int32)
+            tokens[:R], count[:R] = tokens_R, count_R
+            aux = aux_R if R == self.B else jnp.pad(aux_R, ((0, self.B - R), (0, 0), (0, 0)))
+            s.advance(tokens, count, aux, live)
+            gained = [tokens[b, : int(count[b])] for b in range(self.B)]
+        else:
+            nxt_R, self.cache = decode_step(
+                gen.params,
+                self.cache,
+                jnp.asarray(self.pending[:R]),
+                jnp.asarray(self.positions[:R]),
+                seeds,
+                sampling,
+                cfg=gen.cfg,
+                greedy_only=greedy_only,
+                window=gen.window(int(self.positions[live].max()) + 1),
+            )
+            nxt = np.zeros(self.B, np.int32)
+            nxt[:R] = np.asarray(nxt_R)
+            self.pending = np.where(live, nxt, self.pending).astype(np.int32)
+            self.positions = self.positions + live.astype(np.int32)
+            gained = [nxt[b : b + 1] for b in range(self.B)]
+        return [self._emit(b, gained[b]) for b in np.flatnonzero(live)]
+
+    # -- compilation -------------------------------------------------------------------------------------
+
+    def warmup(self, progress=None) -> float:
+        """Compile every graph a request can reach: the 1-row prefill of each length bucket, the first-token
+        sampler, the slot copy, and the step graphs of every attention window, greedy and sampling.
+        ``progress(done, total)`` is called as it goes. Returns the seconds spent."""
+        t0 = time.perf_counter()
+        gen = self.gen
+        chunk = gen.prefill_buckets[-1]
+        starts = range(0, gen.max_seq_len - 1, chunk)
+        lengths = sorted({min(start + T, gen.max_seq_len - 1) for start in starts for T in gen.prefill_buckets})
+        windows = gen.window_buckets
+        trees = [None] + [t for _, t in self.load_trees]
+        # Each prefill bucket once (greedy); the first-token sampler's sampling variant once (it does not
+        # depend on the prompt length).
+        admits = [(L, 0.0) for L in lengths] + [(lengths[0], 1.0)]
+        total = len(admits) + 2 * len(windows) * len(trees) * len(self.row_buckets)
+        done = 0
+        for L, t in admits:
+            ev = self.admit(SlotRequest([0] * L, 1, temperature=t, stop_token_ids=[]))
+            assert ev.finish_reason == "length"
+            done += 1
+            if progress:
+                progress(done, total)
+        # Step graphs: one live row placed so that the step's window is w, greedy and sampling.
+        for rows in self.row_buckets:
+            for tree in trees:
+                for w in windows:
+                    for t in (0.0, 1.0):
+                        self._warm_step(w, t, tree, slot=rows - 1)
+                        done += 1
+                        if progress:
+                            progress(done, total)
+        if self.speculative:
+            gen.spec = type(gen.spec)(accepted_per_position=[0] * gen.K)
+        self.steps_by_k.clear()
+        self.reset()
+        return time.perf_counter() - t0
+
+    def _warm_step(self, w: int, temperature: float, tree: Tree | None = None, slot: int = 0) -> None:
+        """One step with a single busy slot (``slot``, which sets the row bucket) placed so that the step's
+        window is ``w``."""
+        gen, b = self.gen, slot
+        req = SlotRequest([0], 1 << 30, temperature=temperature, stop_token_ids=[])
+        self.slots[b] = _Slot(req, frozenset())
+        self.temperature[b] = temperature
+        self._device_params = {}
+        if not self.speculative:
+            self.positions[b] = w - 1
+            self.step()
+        else:
+            s, size = self.state, (tree or gen.tree).size
+            lower = max((x for x in gen.window_buckets if x < w), default=0)
+            # q at the top and the bottom of the bucket, ctx_start up to K + 1 behind q: every draft window
+            # a step with verify window w can meet (the fused graph compiles per pair).
+            for q in sorted({max(w - size - 1, 1), max(lower - size, 1)}):
+                for start in sorted({max(q - 1 - gen.K, 0), q - 1}):
+                    s.q[b], s.ctx_start[b], s.ctx_count[b] = q, start, 1
+                    self.step(tree)
+        self._release(b)

@@ -1,0 +1,175 @@
+"""The engine thread: one background thread owns the :class:`SlotEngine` and drives its step loop.
+
+The HTTP side (asyncio) talks to it only through thread-safe queues: :meth:`EngineWorker.submit` and
+:meth:`EngineWorker.cancel` put messages in an inbox, and each request's events come back through the
+``deliver`` callback it was submitted with (the server's callback hops onto the event loop with
+``call_soon_threadsafe``). The queue of requests waiting for a slot is bounded: beyond ``max_queue``,
+:meth:`submit` raises :class:`QueueFull` at once (the server answers 429).
+
+The thread never dies on a request: a failure while admitting one request ends that request with an error
+event; a failure inside a step ends every active request with an error and starts over with fresh caches.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+from peagle_jax.engine import RequestError
+from peagle_jax.serve.metrics import Metrics
+from peagle_jax.serve.slots import SlotEngine, SlotEvent, SlotRequest
+
+log = logging.getLogger("peagle_jax.serve")
+
+
+class QueueFull(Exception):
+    """More requests are waiting than ``max_queue``."""
+
+
+@dataclasses.dataclass
+class Failure:
+    """The request could not be served; ``message`` is safe to show the client."""
+
+    request: SlotRequest
+    message: str
+    status: int = 500
+
+
+Deliver = Callable[[SlotEvent | Failure], None]
+
+
+class EngineWorker:
+    def __init__(self, engine: SlotEngine, *, max_queue: int = 64, metrics: Metrics | None = None):
+        self.engine, self.max_queue = engine, max_queue
+        self.metrics = metrics or Metrics()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: collections.deque[tuple[SlotRequest, Deliver]] = collections.deque()
+        self._deliver: dict[int, Deliver] = {}
+        self._lock = threading.Lock()
+        self._queued = 0  # submitted, not yet in a slot (inbox + waiting)
+        self.ready = threading.Event()  # set once the graphs are compiled
+        self.failed: str | None = None  # set if the warm-up itself failed
+        self.warmup_s = 0.0
+        self._thread = threading.Thread(target=self._run, name="peagle-engine", daemon=True)
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queued
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def start(self, *, warmup: bool = True, progress=None) -> None:
+        self._warm, self._progress = warmup, progress
+        self._thread.start()
+
+    def submit(self, req: SlotRequest, deliver: Deliver) -> None:
+        with self._lock:
+            if self._queued >= self.max_queue:
+                raise QueueFull
+            self._queued += 1
+        self._inbox.put(("submit", req, deliver))
+
+    def cancel(self, request_id: int) -> None:
+        self._inbox.put(("cancel", request_id, None))
+
+    # -- the thread --------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        if self._warm:
+            try:
+                self.warmup_s = self.engine.warmup(progress=self._progress)
+            except Exception:  # noqa: BLE001 - reported by /health, the process keeps serving errors
+                self.failed = traceback.format_exc()
+                log.error("warm-up failed:\n%s", self.failed)
+                return
+        self.ready.set()
+        while True:
+            idle = not self._waiting and self.engine.active == 0
+            self._drain(block=idle)
+            while self._waiting and self.engine.free:
+                req, deliver = self._waiting.popleft()
+                with self._lock:
+                    self._queued -= 1
+                self._admit(req, deliver)
+            if self.engine.active:
+                self._step()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, a, b = msg
+            if kind == "submit":
+                self._waiting.append((a, b))
+            else:
+                self._cancel(a)
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _cancel(self, request_id: int) -> None:
+        for i, (req, _) in enumerate(self._waiting):
+            if req.id == request_id:
+                del self._waiting[i]
+                with self._lock:
+                    self._queued -= 1
+                return
+        if self.engine.cancel(request_id) is not None:
+            self._deliver.pop(request_id, None)
+
+    def _admit(self, req: SlotRequest, deliver: Deliver) -> None:
+        t0 = time.perf_counter()
+        try:
+            event = self.engine.admit(req)
+        except RequestError as err:
+            deliver(Failure(req, str(err), 400))
+            return
+        except Exception:  # noqa: BLE001 - one request's failure must not stop the others
+            log.error("admitting request %d failed:\n%s", req.id, traceback.format_exc())
+            deliver(Failure(req, "internal error while starting this request", 500))
+            self.engine.cancel(req.id)
+            if self.engine.caches_lost():  # it failed after donating the caches: the running requests end too
+                self._fail_running()
+            return
+        self.metrics.first_token(time.perf_counter() - t0)
+        self._deliver[req.id] = deliver
+        self._send(event)
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            events = self.engine.step()
+        except Exception:  # noqa: BLE001 - end the active requests, keep serving
+            log.error("engine step failed:\n%s", traceback.format_exc())
+            self._fail_running()
+            return
+        self.metrics.step(time.perf_counter() - t0)
+        for event in events:
+            self._send(event)
+
+    def _fail_running(self) -> None:
+        """End every running request with an error and start over with fresh caches (a failed call may
+        have consumed the donated ones)."""
+        lost = [slot.request for slot in self.engine.slots if slot is not None]
+        self.engine.reset()
+        for req in lost:
+            deliver = self._deliver.pop(req.id, None)
+            if deliver is not None:
+                deliver(Failure(req, "internal error while generating", 500))
+
+    def _send(self, event: SlotEvent) -> None:
+        rid = event.request.id
+        deliver = self._deliver.pop(rid) if event.finish_reason else self._deliver.get(rid)
+        if deliver is not None:
+            deliver(event)

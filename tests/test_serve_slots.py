@@ -1,0 +1,196 @@
+"""The slot engine: a request's output does not depend on what the other slots do (equal to the batch
+generators' output for the same prompt, greedy and seeded sampling, plain and speculative), cancelled and
+finished requests free their slot at once, and nothing compiles after the warm-up."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from peagle_jax import model as M
+from peagle_jax import verify as V
+from peagle_jax.config import ModelConfig
+from peagle_jax.drafter import draft as D
+from peagle_jax.drafter.config import DrafterConfig
+from peagle_jax.drafter.model import init_drafter_params
+from peagle_jax.engine import Generator, RequestError, decode_step, sample_jit
+from peagle_jax.serve.slots import SlotEngine, SlotRequest, put_row
+from peagle_jax.speculative import SpeculativeGenerator, fused_step
+
+# A 6-token vocabulary and large weights, as in test_speculative: drafts are then accepted at every depth.
+CFG = ModelConfig(
+    family="llama",
+    vocab_size=6,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    eos_token_ids=(5,),
+)
+DCFG = DrafterConfig(
+    layer=CFG.replace(num_layers=1, aux_layer_ids=(0,)), algorithm="peagle", mask_token_id=5, own_embedding=False
+)
+MAX_SEQ = 64
+# (prompt, max_new_tokens, temperature, top_k, top_p, seed, stop ids)
+REQUESTS = [
+    ([1, 2, 3, 4, 1, 2, 3, 4, 0, 1, 2], 20, 0.0, 0, 1.0, 0, []),
+    ([3, 4, 1], 9, 0.0, 0, 1.0, 0, []),
+    ([0, 0, 1, 1, 2], 30, 0.9, 0, 1.0, 7, []),
+    ([2] * 20, 14, 0.0, 0, 1.0, 0, [3]),
+    ([4, 3], 25, 1.3, 3, 0.9, 11, []),
+    ([1, 1, 1, 2, 2, 2, 3], 17, 0.0, 0, 1.0, 0, [5]),
+    ([0, 4, 2, 1, 3], 40, 0.7, 0, 0.8, 3, []),
+    ([3], 6, 0.0, 0, 1.0, 0, []),
+]
+
+
+def _scaled(tree, s):
+    return jax.tree.map(lambda x: x * s if x.dtype == jnp.float32 and x.ndim > 1 else x, tree)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return _scaled(M.init_params(CFG, jax.random.key(1)), 30), _scaled(init_drafter_params(DCFG, jax.random.key(2)), 30)
+
+
+def _reference(gen, r):
+    prompt, n, t, k, p, seed, stops = r
+    res = gen.generate([prompt], max_new_tokens=n, temperature=t, top_k=k, top_p=p, seed=seed, stop_token_ids=stops)
+    return res[0].token_ids
+
+
+def _run(engine, requests, arrive_every=2, cancel=None):
+    """Admit requests as slots free up (at most one new request every ``arrive_every`` steps), step until
+    all end. ``cancel`` = (request index, after how many of its tokens). Returns tokens and finish reasons."""
+    reqs = [SlotRequest(p, n, t, k, tp, seed, stops) for p, n, t, k, tp, seed, stops in requests]
+    out = {r.id: [] for r in reqs}
+    finish = {}
+    waiting = list(reqs)
+    step = 0
+    while waiting or engine.active:
+        if waiting and engine.free and step % arrive_every == 0:
+            ev = engine.admit(waiting.pop(0))
+            out[ev.request.id] += ev.tokens
+            finish[ev.request.id] = ev.finish_reason
+        for ev in engine.step():
+            out[ev.request.id] += ev.tokens
+            finish[ev.request.id] = ev.finish_reason
+        if cancel is not None:
+            target = reqs[cancel[0]]
+            if target.id not in finish or finish[target.id] is None:
+                if len(out[target.id]) >= cancel[1]:
+                    assert engine.cancel(target.id).finish_reason == "cancelled"
+                    finish[target.id] = "cancelled"
+                    assert engine.cancel(target.id) is None
+        step += 1
+        assert step < 1000
+    return [out[r.id] for r in reqs], [finish[r.id] for r in reqs]
+
+
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_plain_slots_equal_generator(models, max_batch):
+    params, _ = models
+    gen = Generator(CFG, params, max_seq_len=MAX_SEQ)
+    engine = SlotEngine(gen, max_batch)
+    outs, finish = _run(engine, REQUESTS, cancel=(6, 4))
+    for i, r in enumerate(REQUESTS):
+        ref = _reference(gen, r)
+        if i == 6:  # cancelled after 4 tokens: a prefix of its full output
+            assert finish[i] == "cancelled" and outs[i] == ref[: len(outs[i])] and len(outs[i]) < len(ref)
+            continue
+        assert outs[i] == ref, i
+        assert finish[i] == ("stop" if ref[-1] in (r[6] or ()) else "length")
+    assert engine.active == 0 and engine.free == max_batch
+
+
+@pytest.mark.parametrize(
+    "k,tree,sequential,fused", [(3, None, False, False), (None, "0,1,00,10", False, True), (2, None, True, False)]
+)
+def test_speculative_slots_equal_generators(models, k, tree, sequential, fused):
+    params, dparams = models
+    plain = Generator(CFG, params, max_seq_len=MAX_SEQ)
+    spec = SpeculativeGenerator(
+        CFG,
+        params,
+        DCFG,
+        dparams,
+        k=k,
+        tree=V.parse_tree(tree) if tree else None,
+        sequential=sequential,
+        fused=fused,
+        max_seq_len=MAX_SEQ,
+    )
+    engine = SlotEngine(spec, 3)
+    outs, _ = _run(engine, REQUESTS, arrive_every=1)
+    for i, r in enumerate(REQUESTS):
+        assert outs[i] == _reference(plain, r), i
+        assert outs[i] == _reference(spec, r), i
+    assert spec.spec.target_forwards > 0 and sum(spec.spec.accepted_per_position) > 0
+
+
+@pytest.mark.parametrize("fused,sequential", [(False, False), (True, True)])
+def test_smaller_k_under_load_equals_generators(models, fused, sequential):
+    """With 2 busy slots steps draft 2 tokens, with 3 one; outputs stay those of plain decoding."""
+    params, dparams = models
+    plain = Generator(CFG, params, max_seq_len=MAX_SEQ)
+    spec = SpeculativeGenerator(
+        CFG, params, DCFG, dparams, k=3, fused=fused, sequential=sequential, max_seq_len=MAX_SEQ
+    )
+    engine = SlotEngine(spec, 3, load_k=[(3, 1), (2, 2)])
+    assert engine.tree_for(1) is None and engine.tree_for(2).depth == 2 and engine.tree_for(3).depth == 1
+    outs, _ = _run(engine, REQUESTS, arrive_every=1)
+    for i, r in enumerate(REQUESTS):
+        assert outs[i] == _reference(plain, r), i
+    assert set(engine.steps_by_k) == {1, 2, 3}
+    for bad in ([(2, 4)], [(0, 1)], [(2, 0)]):
+        with pytest.raises(RequestError):
+            SlotEngine(spec, 3, load_k=bad)
+    with pytest.raises(RequestError):
+        SlotEngine(plain, 3, load_k=[(2, 1)])
+
+
+def test_bad_requests_are_refused_and_leave_the_slots_alone(models):
+    params, _ = models
+    engine = SlotEngine(Generator(CFG, params, max_seq_len=MAX_SEQ), 2)
+    for bad in (
+        SlotRequest([], 4),
+        SlotRequest([1] * 60, 10),
+        SlotRequest([9], 4),
+        SlotRequest([1], 0),
+        SlotRequest([1], 4, temperature=-1.0),
+        SlotRequest([1], 4, top_p=0.0),
+    ):
+        with pytest.raises(RequestError):
+            engine.admit(bad)
+    assert engine.active == 0
+    with pytest.raises(RequestError):
+        SlotEngine(engine.gen, 0)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_no_compiles_after_warmup(models, speculative):
+    params, dparams = models
+    if speculative:
+        gen = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, max_seq_len=MAX_SEQ)
+        graphs = (M.prefill, sample_jit, put_row, V.verify, D.parallel_draft, D.drafter_prefill, fused_step)
+        load_k = [(3, 2)]
+    else:
+        gen = Generator(CFG, params, max_seq_len=MAX_SEQ)
+        graphs = (M.prefill, sample_jit, put_row, decode_step)
+        load_k = []
+    engine = SlotEngine(gen, 4, load_k=load_k)
+    assert engine.row_buckets == (1, 2, 4)
+    assert [engine.rows_for(np.arange(4) == i) for i in range(4)] == [1, 2, 4, 4]
+    calls = []
+    engine.warmup(progress=lambda done, total: calls.append((done, total)))
+    assert calls[-1][0] == calls[-1][1] and engine.active == 0
+    before = [g._cache_size() for g in graphs]
+    long = [([1, 2] * 20, 20, 0.0, 0, 1.0, 0, []), ([3] * 2, 61, 0.8, 2, 0.9, 5, [])]
+    _run(engine, REQUESTS + long, arrive_every=1, cancel=(1, 2))
+    assert [g._cache_size() for g in graphs] == before
+    if speculative:
+        assert set(engine.steps_by_k) == {2, 3}

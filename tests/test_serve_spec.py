@@ -1,0 +1,153 @@
+"""The server with a drafter (speculative decoding through the slot engine), in SageMaker mode: concurrent
+greedy and seeded requests equal plain decoding; /ping, /invocations and the acceptance metrics; the
+SageMaker defaults and the flag errors of ``python -m peagle_jax.serve``."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from serve_fixtures import ServerProcess, http, parse_metrics, write_tiny_drafter, write_tiny_model
+
+MAX_SEQ = 96
+K = 3
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    return write_tiny_model(root / "target"), write_tiny_drafter(root / "drafter", k=K)
+
+
+@pytest.fixture(scope="module")
+def server(dirs, tmp_path_factory):
+    model, drafter = dirs
+    args = ["--sagemaker", "--host", "127.0.0.1", "--model", str(model), "--drafter", str(drafter)]
+    args += ["--max-batch", "3", "--max-seq-len", str(MAX_SEQ), "--served-model-name", "tiny-spec", "--load-k", "3:1"]
+    proc = ServerProcess(*args, log=tmp_path_factory.mktemp("log") / "server.log").wait()
+    yield proc
+    proc.stop()
+
+
+def _plain_reference(model_dir, requests):
+    """Plain (non-speculative) decoding of the same prompts in this process."""
+    from transformers import AutoTokenizer
+
+    from peagle_jax.checkpoint import load_target_any
+    from peagle_jax.engine import Generator
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    cfg, params = load_target_any(model_dir)
+    gen = Generator(cfg, params, max_seq_len=MAX_SEQ)
+    stops = sorted(set(cfg.eos_token_ids) | {tok.eos_token_id})
+    out = []
+    for prompt, n, temperature, seed in requests:
+        ids = gen.generate(
+            [tok.encode(prompt)], max_new_tokens=n, temperature=temperature, seed=seed, stop_token_ids=stops
+        )[0].token_ids
+        out.append(tok.decode(ids, skip_special_tokens=True))
+    return out
+
+
+def test_speculative_server_equals_plain_decoding(server, dirs):
+    requests = [(f"prompt {i} " * (1 + i % 3), 5 + 4 * i, 0.0 if i % 2 else 0.9, 100 + i) for i in range(9)]
+
+    def one(r):
+        prompt, n, temperature, seed = r
+        body = {"model": "tiny-spec", "prompt": prompt, "max_tokens": n, "temperature": temperature, "seed": seed}
+        status, _, raw = http(server.base, "POST", "/invocations", json.dumps(body))
+        assert status == 200, raw
+        return json.loads(raw)["choices"][0]["text"]
+
+    with ThreadPoolExecutor(9) as pool:
+        texts = list(pool.map(one, requests))
+    assert texts == _plain_reference(dirs[0], requests)
+
+
+def test_ping_and_acceptance_metrics(server):
+    status, _, raw = http(server.base, "GET", "/ping")
+    assert status == 200 and json.loads(raw) == {"status": "ok"}
+    body = {"model": "tiny-spec", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "temperature": 0}
+    with ThreadPoolExecutor(3) as pool:  # 3 at once: the slots fill up, so some steps run under --load-k
+        answers = list(pool.map(lambda _: http(server.base, "POST", "/invocations", json.dumps(body)), range(3)))
+    for status, _, raw in answers:
+        assert status == 200 and json.loads(raw)["object"] == "chat.completion"
+    _, _, raw = http(server.base, "GET", "/metrics")
+    m = parse_metrics(raw.decode())
+    forwards = m["peagle_target_forwards_total"]
+    assert forwards > 0 and 1.0 <= m["peagle_acceptance_length"] <= K + 1
+    per_position = [m[f'peagle_accepted_per_position_total{{position="{k}"}}'] for k in range(1, K + 1)]
+    rates = [m[f'peagle_acceptance_rate{{position="{k}"}}'] for k in range(1, K + 1)]
+    assert rates == pytest.approx([n / forwards for n in per_position], abs=1e-6)
+    assert per_position == sorted(per_position, reverse=True)  # depth k accepted implies depth k-1 accepted
+    assert m["peagle_acceptance_length"] == pytest.approx(1 + sum(per_position) / forwards, abs=1e-6)
+    assert m['peagle_requests_total{endpoint="invocations",outcome="ok"}'] >= 1
+    # --load-k 3:1: steps with all 3 slots busy drafted 1 token, the others K.
+    assert m['peagle_speculative_steps_total{k="1"}'] > 0 and m[f'peagle_speculative_steps_total{{k="{K}"}}'] > 0
+
+
+def test_sagemaker_defaults(tmp_path, monkeypatch):
+    from peagle_jax.serve import __main__ as cli
+
+    (tmp_path / "drafter").mkdir()
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "drafter" / "config.json").write_text("{}")
+    monkeypatch.setattr(cli, "SAGEMAKER_MODEL_DIR", tmp_path)
+    args = cli.resolve(cli.build_parser().parse_args(["serve"]))
+    assert (args.sagemaker, args.host, args.port) == (True, "0.0.0.0", 8080)
+    assert (args.model, args.drafter) == (str(tmp_path), str(tmp_path / "drafter"))
+    args = cli.resolve(cli.build_parser().parse_args([]))
+    assert (args.sagemaker, args.host, args.port, args.model, args.drafter) == (
+        False,
+        "127.0.0.1",
+        8000,
+        "smollm2",
+        None,
+    )
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--k", "3"], "--drafter"),
+        (["--max-batch", "0"], "--max-batch"),
+        (["--max-seq-len", "1"], "--max-seq-len"),
+        (["--port", "70000"], "--port"),
+        (["--load-k", "4:2"], "--drafter"),
+        (["--drafter", "/nonexistent", "--load-k", "4"], "N:K pairs"),
+        (["--model", "/nonexistent"], "/nonexistent"),
+    ],
+)
+def test_flag_errors_are_one_line(argv, message, capsys):
+    from peagle_jax.serve.__main__ import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+
+
+def test_platform_neuron_without_jax_neuronx(capsys):
+    import importlib.util
+
+    from peagle_jax.serve.__main__ import main
+
+    if importlib.util.find_spec("jax_neuronx") is not None:
+        pytest.skip("jax-neuronx is installed here")
+    assert main(["--platform", "neuron"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "jax-neuronx" in err[0] and "pip.repos.neuron.amazonaws.com" in err[0]
+
+
+def test_unavailable_platform_is_one_line():
+    """In a subprocess: selecting a backend changes JAX's global configuration."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "peagle_jax.serve", "--platform", "tpu"], capture_output=True, text=True, env=env
+    )
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1 and err[0].startswith("error: --platform tpu"), proc.stderr
