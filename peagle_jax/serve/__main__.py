@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--platform",
         default="cpu",
-        help="cpu (default), gpu, tpu or neuron; an accelerator needs its JAX plugin (the error says how to install it)",
+        help="cpu (default), gpu, tpu or neuron; an accelerator needs its JAX plugin (the error says how to get it)",
     )
     p.add_argument(
         "--compilation-cache",
