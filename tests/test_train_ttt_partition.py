@@ -118,9 +118,10 @@ def test_eagle3_objective_trains():
     state = init_train_state(init_drafter_params(cfg, jax.random.key(4)), cfg, tcfg)
     head = jnp.asarray(np.random.default_rng(5).standard_normal((U, Ht)).astype(np.float32))
     batch = _batch(K, seed=6)
-    losses = []
+    losses, compiled = [], []
     for _ in range(30):
         state, m = train_step(state, batch, head, cfg=cfg, tcfg=tcfg, num_depths=K)
         losses.append(float(m["loss"]))
+        compiled.append(train_step._cache_size())  # other tests share the jitted step: count from here
     assert losses[-1] < 0.5 * losses[0]
-    assert train_step._cache_size() == 1
+    assert compiled[-1] == compiled[0]
