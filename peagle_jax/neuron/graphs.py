@@ -120,6 +120,17 @@ def tree_name(tree: Tree) -> str:
     return f"chain{tree.depth}" if tree.is_chain else f"tree{tree.size}d{tree.depth}w{tree.width}"
 
 
+def _prefill_graph(cfg, params, cache, B: int, S: int, T: int, W: int) -> Graph:
+    """The target's prefill of one (batch, slots, chunk, window) bucket; plain and speculative lists share it."""
+    ints = sds((B,), jnp.int32)
+    return Graph(
+        f"prefill_b{B}_s{S}_t{T}_w{W}",
+        model.prefill,
+        (params, cache, sds((B, T), jnp.int32), ints, ints),
+        dict(cfg=cfg, window=W),
+    )
+
+
 def plain_graphs(cfg, params, buckets: ServingBuckets, mesh=None) -> list[Graph]:
     gen = Generator(
         cfg,
@@ -135,14 +146,7 @@ def plain_graphs(cfg, params, buckets: ServingBuckets, mesh=None) -> list[Graph]
         cache = _cache(cfg, B, S, mesh)
         ints = sds((B,), jnp.int32)
         for T, W in _prefill_windows(gen, buckets.max_seq_len):
-            out.append(
-                Graph(
-                    f"prefill_b{B}_s{S}_t{T}_w{W}",
-                    model.prefill,
-                    (params, cache, sds((B, T), jnp.int32), ints, ints),
-                    dict(cfg=cfg, window=W),
-                )
-            )
+            out.append(_prefill_graph(cfg, params, cache, B, S, T, W))
         for g in greedy_modes:
             mode = "greedy" if g else "sampling"
             out.append(
@@ -189,14 +193,7 @@ def speculative_graphs(cfg, params, dcfg, dparams, buckets: ServingBuckets, tree
         ints = sds((B,), jnp.int32)
         ctx = (sds((B, C), jnp.int32), sds((B, C, X), dt), ints, ints)
         for T, W in _prefill_windows(gen, buckets.max_seq_len):
-            out.append(
-                Graph(
-                    f"prefill_b{B}_s{S}_t{T}_w{W}",
-                    model.prefill,
-                    (params, cache, sds((B, T), jnp.int32), ints, ints),
-                    dict(cfg=cfg, window=W),
-                )
-            )
+            out.append(_prefill_graph(cfg, params, cache, B, S, T, W))
             out.append(
                 Graph(
                     f"drafter_prefill_b{B}_s{S}_t{T}_w{W}",
