@@ -3,9 +3,12 @@
     to-jax SRC DST [--force]
         SRC: a speculators drafter (peagle / eagle3), an EAGLE / AWS-layout drafter, or a Hugging Face
         Llama / Qwen2 / Qwen3 model directory. DST: a JAX checkpoint (see :mod:`peagle_jax.checkpoint`).
-    to-torch SRC DST [--layout speculators|eagle] [--max-shard-size 2GB] [--force]
-        SRC: a JAX checkpoint, or a PyTorch directory (to change a drafter's layout or the sharding).
+    to-torch SRC DST [--layout speculators|eagle] [--max-shard-size 2GB] [--dtype bfloat16]
+                     [--verifier NAME] [--force]
+        SRC: a JAX checkpoint, or a PyTorch directory (to change a drafter's layout, dtype or sharding).
         DST: config.json plus model.safetensors, or shards and model.safetensors.index.json.
+        --dtype casts every floating tensor (how the shipped drafters are stored in bf16); --verifier
+        names the target a speculators drafter was trained for (what vLLM's --model should be).
 
 PyTorch -> JAX -> PyTorch reproduces every tensor bit for bit (names, shapes, dtypes, values) and, when the
 layout is unchanged, the config.json itself. A layout change rewrites the config from the parsed
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import shutil
 import sys
@@ -35,6 +39,7 @@ from peagle_jax.config import read_config_json
 from peagle_jax.errors import UserError
 
 LAYOUT_CHOICES = ("speculators", "eagle")
+FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 # Small files copied along both ways (tokenizer, generation config, chat template ...).
 SIDE_SUFFIXES = {".json", ".txt", ".model", ".jinja", ".tiktoken"}
 OWN_FILES = {"config.json", META_FILE, "model.safetensors.index.json"}
@@ -64,7 +69,7 @@ def read_source(src: str | Path) -> tuple[CheckpointMeta, dict]:
 
 def _main_dtype(dtypes: dict[str, str]) -> str:
     """The dtype most floating tensors have (what a written config.json declares)."""
-    floats = [d for d in dtypes.values() if d in ("float32", "bfloat16", "float16", "float64")]
+    floats = [d for d in dtypes.values() if d in FLOAT_DTYPES]
     return collections.Counter(floats).most_common(1)[0][0] if floats else "float32"
 
 
@@ -150,26 +155,52 @@ def to_torch(
     *,
     layout: str | None = None,
     max_shard_size: int | str | None = None,
+    dtype: str | None = None,
+    verifier: str | None = None,
     force: bool = False,
     progress: bool = False,
 ) -> list[Path]:
     """Write the JAX checkpoint (or PyTorch directory) ``src`` as a PyTorch directory ``dst``; returns the
-    safetensors files written (several, plus an index, when they exceed ``max_shard_size``)."""
+    safetensors files written (several, plus an index, when they exceed ``max_shard_size``). ``dtype``
+    casts the floating tensors (and declares it in config.json); ``verifier`` sets a speculators drafter's
+    ``speculators_config.verifier.name_or_path``."""
     from peagle_jax.weights import parse_size, write_safetensors
 
     src, dst = Path(src), Path(dst)
     if layout is not None and layout not in LAYOUT_CHOICES:
         raise UserError(f"--layout must be one of {', '.join(LAYOUT_CHOICES)}, got {layout!r}")
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(FLOAT_DTYPES)}, got {dtype!r}")
     shard_bytes = None if max_shard_size is None else parse_size(max_shard_size)
     _check_paths(src, dst, force)
     meta, params = read_source(src)
+    if dtype is not None:
+        cast = {name: dtype if d in FLOAT_DTYPES else d for name, d in meta.tensors.items()}
+        meta = dataclasses.replace(meta, tensors=cast)
     tensors, config = torch_tensors(meta, params, layout)
+    config = _with_overrides(config, dtype, verifier, meta.kind, layout or meta.layout)
     _clear(dst)
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     files = write_safetensors(dst, tensors, max_shard_size=shard_bytes, progress=progress)
     _copy_side_files(src, dst)
     return files
+
+
+def _with_overrides(config: dict, dtype: str | None, verifier: str | None, kind: str, layout: str) -> dict:
+    """A copy of ``config`` declaring ``dtype`` and naming ``verifier``."""
+    config = json.loads(json.dumps(config))
+    if dtype is not None:
+        for d in (config, config.get("transformer_layer_config")):
+            if isinstance(d, dict):
+                d["dtype"] = dtype
+                d.pop("torch_dtype", None)
+    if verifier is not None:
+        if kind != "drafter" or layout != "speculators":
+            raise UserError("--verifier applies to drafters written in the speculators layout")
+        spec = config.setdefault("speculators_config", {})
+        spec.setdefault("verifier", {})["name_or_path"] = verifier
+    return config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,6 +227,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="split the weights into shards of at most this size, e.g. 2GB or 500MB (default: one file)",
     )
+    t.add_argument(
+        "--dtype",
+        choices=FLOAT_DTYPES,
+        help="cast every floating tensor to this dtype, e.g. bfloat16 to halve a drafter (default: keep each)",
+    )
+    t.add_argument(
+        "--verifier",
+        help="target model a speculators drafter drafts for, written to speculators_config.verifier.name_or_path "
+        "(default: keep the source's)",
+    )
     return p
 
 
@@ -211,6 +252,8 @@ def main(argv=None) -> int:
                 args.dst,
                 layout=args.layout,
                 max_shard_size=args.max_shard_size,
+                dtype=args.dtype,
+                verifier=args.verifier,
                 force=args.force,
                 progress=True,
             )

@@ -236,6 +236,28 @@ def test_speculators_to_eagle_layout_and_back(tmp_path, case):
     assert eagle_again == hand_config
 
 
+def test_cast_to_bfloat16_and_name_the_verifier(tmp_path):
+    """How the shipped drafters are stored: a float32 drafter written in bf16 (rounded as torch rounds),
+    ids untouched, config declaring bf16 and the verifier; speculators loads it."""
+    case = CASES[0]
+    src = save_speculators(case, tmp_path / "src")
+    to_torch(src, tmp_path / "bf16", dtype="bfloat16", verifier="HuggingFaceTB/SmolLM2-135M-Instruct")
+    back, orig = load_file(tmp_path / "bf16/model.safetensors"), load_file(src / "model.safetensors")
+    assert back.keys() == orig.keys()
+    for name, value in orig.items():
+        want = value.to(torch.bfloat16) if value.is_floating_point() else value
+        assert back[name].dtype == want.dtype and torch.equal(back[name], want), name
+    config = json.loads((tmp_path / "bf16/config.json").read_text())
+    assert config["dtype"] == config["transformer_layer_config"]["dtype"] == "bfloat16"
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert parsed(tmp_path / "bf16").verifier_name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    load_in_speculators(tmp_path / "bf16", case.embed)
+    with pytest.raises(UserError, match="speculators layout"):
+        to_torch(src, tmp_path / "eagle", layout="eagle", verifier="x")
+    with pytest.raises(UserError, match="--dtype"):
+        to_torch(src, tmp_path / "x", dtype="int8")
+
+
 def test_sharded_output_and_input(tmp_path):
     case = CASES[1]
     src = save_speculators(case, tmp_path / "src")

@@ -209,6 +209,10 @@ def test_online_and_cached_features_give_the_same_batches(tmp_path, dtype):
     # A second build over the same directory finds every chunk and recomputes nothing.
     again = build_cache(None, CFG, rows, tmp_path / "f", dtype=dtype, chunk_rows=B, progress=False)
     np.testing.assert_array_equal(np.asarray(again.rows([3])[0]), np.asarray(cache.rows([3])[0]))
+    # ... also at another batch size: the cache keeps its chunking and still computes nothing.
+    resized = build_cache(None, CFG, rows, tmp_path / "f", dtype=dtype, chunk_rows=B + 1, progress=False)
+    assert resized.chunk == B
+    np.testing.assert_array_equal(np.asarray(resized.rows([1, 4])[1]), np.asarray(cache.rows([1, 4])[1]))
     other = PackedRows(*(a[:4] for a in rows))
     with pytest.raises(DataError, match="other rows"):
         build_cache(params, CFG, other, tmp_path / "f", dtype=dtype, chunk_rows=B, progress=False)

@@ -86,6 +86,47 @@ def throughput(args) -> dict:
     return out
 
 
+def sweep(args) -> list[dict]:
+    """Cached-feature step time of each ``layers:draft_vocab:K_train`` shape in ``--sweep``, side by side
+    (rounds alternate the shapes): the cost side of choosing the drafter's shape."""
+    shapes = [tuple(int(x) for x in s.split(":")) for s in args.sweep.split(",")]
+    B, T = args.batch_size, args.seq_len
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 49152, (B, T)).astype(np.int32)
+    aux = jnp.asarray(rng.standard_normal((B, T, 3 * 576)), jnp.float32)
+    hidden = jnp.asarray(rng.standard_normal((B, T, 576)), jnp.float32)
+    embed = jnp.asarray(rng.standard_normal((49152, 576)) * 0.02, jnp.float32)
+    tcfg = TrainConfig(lr=1e-4, warmup_steps=1, total_steps=10_000)
+    runs = []
+    for layers, vocab, K in shapes:
+        dcfg = smollm2_sized_drafter(layers=layers, draft_vocab=vocab)
+        dcfg = dcfg.replace(target_hidden_size=576, own_embedding=False, embed_requires_grad=False)
+        params = init_drafter_params(dcfg, jax.random.key(0))
+        params["d2t"] = jnp.zeros((vocab,), jnp.int32)
+        params["t2d"] = jnp.zeros((49152,), bool).at[:vocab].set(True)
+        runs.append({"shape": (layers, vocab, K), "dcfg": dcfg, "state": init_train_state(params, dcfg, tcfg), "t": []})
+    for r in range(args.rounds + 1):  # round 0 compiles
+        for run in runs:
+            K = run["shape"][2]
+            batch = _batch(np.random.default_rng(r), B, T, K, aux, hidden, tokens)
+            t0 = time.perf_counter()
+            run["state"], m = train_step(run["state"], batch, embed[:run["shape"][1]], embed, cfg=run["dcfg"], tcfg=tcfg, num_depths=K)
+            jax.block_until_ready(m["loss"])
+            if r:
+                run["t"].append(time.perf_counter() - t0)
+    base = statistics.median(runs[0]["t"])
+    return [
+        {
+            "layers": run["shape"][0],
+            "draft_vocab": run["shape"][1],
+            "k_train": run["shape"][2],
+            "step_s": statistics.median(run["t"]),
+            "vs_first": statistics.median(run["t"]) / base,
+        }
+        for run in runs
+    ]
+
+
 def memory(args) -> dict:
     dcfg = smollm2_sized_drafter(layers=2, draft_vocab=args.draft_vocab)
     params = init_drafter_params(dcfg, jax.random.key(0))
@@ -123,8 +164,25 @@ def main(argv=None) -> int:
     p.add_argument("--draft-vocab", type=int, default=12288, help="draft vocabulary (default 12288)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per mode; medians (default 5)")
     p.add_argument("--long-seq-len", type=int, default=2048, help="positions for the memory analysis (default 2048)")
+    p.add_argument(
+        "--sweep",
+        help="instead: step time of each comma-separated LAYERS:DRAFT_VOCAB:K_TRAIN drafter shape, side by side",
+    )
     p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args(argv)
+    if args.sweep:
+        rows = sweep(args)
+        print(f"## Step time by drafter shape (B={args.batch_size}, T={args.seq_len}, cached features)\n")
+        print("| layers | draft vocab | K_train | step | vs first |\n|---|---|---|---|---|")
+        for row in rows:
+            print(
+                f"| {row['layers']} | {row['draft_vocab']} | {row['k_train']} | {row['step_s'] * 1e3:.0f} ms "
+                f"| {row['vs_first']:.2f}x |"
+            )
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     res = {"throughput": throughput(args), "memory": memory(args)}
     th, mem = res["throughput"], res["memory"]
     print(

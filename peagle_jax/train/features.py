@@ -113,6 +113,8 @@ def build_cache(
     meta_path = directory / "features.json"
     if meta_path.exists():
         have = json.loads(meta_path.read_text())
+        # The chunk size is a storage detail (a cache built at another batch size reads the same rows).
+        chunk_rows = meta["chunk_rows"] = have.get("chunk_rows", chunk_rows)
         if have != meta:
             raise DataError(f"{directory} caches features of other rows or settings; use a new directory")
     else:
