@@ -1,8 +1,10 @@
 """``python -m peagle_jax.generate``: generate text with a target model on this machine.
 
-Examples::
+The embedded SmolLM2 target is speculated with the shipped P-EAGLE drafter by default (``--k 0`` turns
+that off); other models decode plainly unless given ``--drafter``. Examples::
 
     python -m peagle_jax.generate --prompt "The capital of France is" --max-new-tokens 32
+    python -m peagle_jax.generate --prompt "The capital of France is" --k 0   # no speculation
     python -m peagle_jax.generate --chat --prompt "Write a haiku about JAX." --json
     python -m peagle_jax.generate --model /path/to/hf_model --prompt-ids 1,2,3 --temperature 0.7 --seed 1
 """
@@ -15,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from peagle_jax.drafter.shipped import DEFAULT_FOR_MODEL, check_speculation_flags, resolve_drafter
 from peagle_jax.errors import UserError
 
 DEFAULT_MODEL = "smollm2"
@@ -77,10 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument(
         "--drafter",
-        help="drafter directory: speculators or EAGLE/AWS PyTorch layout, or converted by peagle_jax.convert; "
-        "without it, plain decoding",
+        help="drafter directory: speculators or EAGLE/AWS PyTorch layout, or converted by peagle_jax.convert "
+        "(default: the shipped P-EAGLE drafter for --model smollm2, none for other models = plain decoding)",
     )
-    spec.add_argument("--k", type=int, help="draft tokens per step (default: the drafter config's, usually 7)")
+    spec.add_argument(
+        "--k",
+        type=int,
+        help="draft tokens per step; 0 = no speculation, plain decoding (default: the drafter config's, usually 7)",
+    )
     spec.add_argument(
         "--tree",
         help="static draft tree as comma-separated paths of per-depth candidate ranks, e.g. 0,1,00,10 "
@@ -178,12 +185,11 @@ def run(args) -> dict:
     from peagle_jax.sampling import check_sampling_args
 
     check_sampling_args(args.temperature, args.top_k, args.top_p)
-    if args.drafter is None and (args.k is not None or args.tree or args.sequential or args.fused):
-        raise UserError("--k, --tree, --sequential and --fused need --drafter")
+    flags = {"--tree": args.tree, "--sequential": args.sequential, "--fused": args.fused}
+    check_speculation_flags(args.drafter or DEFAULT_FOR_MODEL.get(args.model), args.k, flags)
     if args.max_seq_len < 2:
         raise UserError(f"--max-seq-len must be >= 2, got {args.max_seq_len}")
-    if args.k is not None and args.k < 1:
-        raise UserError(f"--k must be >= 1, got {args.k}")
+    args.drafter = resolve_drafter(args.model, args.drafter, args.k)
     model_dir = resolve_model_dir(args.model)
     tokenizer = load_tokenizer(model_dir)
     prompt = encode_prompt(args, tokenizer)

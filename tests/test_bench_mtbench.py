@@ -93,6 +93,10 @@ def test_bench_end_to_end(tmp_path):
             "1,2",
             "--trees",
             "0,1,00",
+            "--sampled-ks",
+            "2",
+            "--speed-ks",
+            "1,2",
             "--speed-questions",
             "2",
             "--rounds",
@@ -112,12 +116,18 @@ def test_bench_end_to_end(tmp_path):
         ("P-EAGLE", "K=2", 0.7) in shapes
         and ("EAGLE-3", "K=1", 0.0) in shapes
         and ("P-EAGLE tree", "0,1,00", 0.0) in shapes
+        and ("P-EAGLE tree", "0,1,00", 0.7) in shapes
     )
+    assert ("P-EAGLE", "K=1", 0.7) not in shapes and ("EAGLE-3", "K=1", 0.7) not in shapes  # --sampled-ks 2
     assert all(r["acceptance_length"] >= 1.0 for r in res["acceptance"])
     assert {(r["batch"], r["method"].split()[0]) for r in res["speed"]} >= {
         (1, "plain"),
         (4, "P-EAGLE"),
         (4, "EAGLE-3"),
     }
+    timed = {(r["batch"], r["method"]) for r in res["speed"]}
+    assert {(b, f"{m} K={k}") for b in (1, 4) for m in ("P-EAGLE", "EAGLE-3") for k in (1, 2)} <= timed
+    assert [r["batch"] for r in res["peagle_over_eagle3"]] == [1, 4]
+    assert all(r["ratio"] > 0 and r["peagle"].startswith("P-EAGLE K=") for r in res["peagle_over_eagle3"])
     assert (out / "acceptance.png").stat().st_size > 0 and (out / "speedup.png").stat().st_size > 0
     assert "| P-EAGLE | K=2 |" in (out / "results.md").read_text()

@@ -1,5 +1,6 @@
-"""The real embedded SmolLM2 behind the server: a greedy chat completion equals ``python -m
-peagle_jax.generate --chat`` for the same prompt, and the streamed text equals the plain response."""
+"""The real embedded SmolLM2 behind the server, speculated by the shipped P-EAGLE drafter (the default): a
+greedy chat completion equals plain ``python -m peagle_jax.generate --chat --k 0`` for the same prompt, and
+the streamed text equals the non-streamed response."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ MAX_SEQ = 64
 def test_smollm2_server_equals_generate(tmp_path):
     from openai import OpenAI
 
-    server = ServerProcess("--max-batch", "2", "--max-seq-len", str(MAX_SEQ), log=tmp_path / "server.log").wait()
+    server = ServerProcess("--max-batch", "2", "--max-seq-len", str(MAX_SEQ), log=tmp_path / "server.log").wait(
+        timeout=900
+    )
     try:
         client = OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=300)
         prompt = "What is the capital of France?"
@@ -26,7 +29,18 @@ def test_smollm2_server_equals_generate(tmp_path):
         streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw))
     finally:
         server.stop()
-    cmd = [sys.executable, "-m", "peagle_jax.generate", "--chat", "--prompt", prompt, "--max-new-tokens", "20"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "peagle_jax.generate",
+        "--chat",
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        "20",
+        "--k",
+        "0",
+    ]
     ref = json.loads(
         subprocess.run(
             [*cmd, "--max-seq-len", str(MAX_SEQ), "--json"], capture_output=True, text=True, check=True, timeout=300

@@ -10,6 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from serve_fixtures import ServerProcess, http, parse_metrics, write_tiny_drafter, write_tiny_model
 
+from peagle_jax.drafter.shipped import shipped_drafter
+
 MAX_SEQ = 96
 K = 3
 
@@ -103,18 +105,23 @@ def test_sagemaker_defaults(tmp_path, monkeypatch):
         "127.0.0.1",
         8000,
         "smollm2",
-        None,
+        str(shipped_drafter("smollm2-peagle")),  # the embedded target is speculated by default
     )
+    assert cli.resolve(cli.build_parser().parse_args(["--k", "0"])).drafter is None
+    other = cli.resolve(cli.build_parser().parse_args(["--model", str(tmp_path)]))
+    assert other.drafter is None  # no shipped drafter for other targets
 
 
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--k", "3"], "--drafter"),
+        (["--model", "/nonexistent", "--k", "3"], "need a drafter"),
+        (["--k", "0", "--tree", "0,1"], "--k 0 turns speculative decoding off"),
+        (["--k", "-1"], "--k must be >= 0"),
         (["--max-batch", "0"], "--max-batch"),
         (["--max-seq-len", "1"], "--max-seq-len"),
         (["--port", "70000"], "--port"),
-        (["--load-k", "4:2"], "--drafter"),
+        (["--model", "/nonexistent", "--load-k", "4:2"], "--drafter"),
         (["--drafter", "/nonexistent", "--load-k", "4"], "N:K pairs"),
         (["--model", "/nonexistent"], "/nonexistent"),
     ],

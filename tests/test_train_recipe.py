@@ -74,6 +74,23 @@ def test_tiny_recipe_end_to_end_and_resume(tmp_path):
     assert spec["token_ids"] == plain["token_ids"]
     assert spec["acceptance_length"] >= 1.0
 
+    # Shipping, as the SmolLM2 drafters are shipped: bf16 speculators directory + training card; still lossless.
+    shipped = tmp_path / "shipped"
+    proc = _run("-m", "peagle_jax.convert", "to-torch", str(out / "drafter"), str(shipped), "--dtype", "bfloat16")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((shipped / "config.json").read_text())["dtype"] == "bfloat16"
+    proc = _run(
+        "-m", "peagle_jax.train.card", str(out), "--drafter", str(shipped), "--command", "python train/train.py ..."
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = (shipped / "README.md").read_text()
+    assert "30 steps of" in text and "| accuracy |" in text and "python train/train.py ..." in text
+    assert f"{summary['last_eval']['acc_K'][0] * 100:.1f}%" in text
+    bf16 = _generate(*common, "--drafter", str(shipped), "--k", "3")
+    assert bf16["token_ids"] == plain["token_ids"]
+    proc = _run("-m", "peagle_jax.train.card", str(tmp_path), "--drafter", str(shipped), "--command", "x")
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "not a finished training run" in proc.stderr
+
 
 def test_bad_recipe_is_one_error_line(tmp_path):
     bad = tmp_path / "bad.yaml"

@@ -8,9 +8,13 @@ in the target's chat template (or ``--questions-file`` JSONL with a ``turns`` li
    and P-EAGLE trees; acceptance length (tokens per target forward) overall and per position. Every run's
    tokens must equal plain decoding's for the same seed (greedy, and sampled too: acceptance here is
    lossless token for token); a mismatch fails the benchmark (exit 1).
-2. Speed (``--speed-questions``, batch 1 and 4): plain decoding, the best P-EAGLE K and the best EAGLE-3 K by
-   acceptance, and transformers' ``generate()`` on the same weights (with ``--transformers``), measured in
-   interleaved rounds after compilation; tokens/s and ratios to plain.
+   ``--sampled-ks`` limits the runs at the temperatures after the first (greedy) one.
+2. Speed (``--speed-questions``, batch 1 and 4): plain decoding, P-EAGLE and EAGLE-3 at each ``--speed-ks``
+   K (default: the best K of each by greedy acceptance), and transformers' ``generate()`` on the same
+   weights (with ``--transformers``), measured in interleaved rounds after compilation; tokens/s, ratios
+   to plain, and the fastest P-EAGLE over the fastest EAGLE-3.
+
+Drafters default to the shipped ones for the embedded SmolLM2 (``peagle_jax/drafters/``).
 
 Writes ``OUT/results.json``, ``OUT/results.md`` and ``OUT/acceptance.png`` / ``OUT/speedup.png``.
 """
@@ -138,6 +142,9 @@ def markdown(res: dict) -> str:
     lines += ["", "## End-to-end tokens/s", "", "| batch | method | tokens/s | vs plain |", "|---|---|---|---|"]
     for r in res["speed"]:
         lines.append(f"| {r['batch']} | {r['method']} | {r['tokens_per_s']:.1f} | {r['vs_plain']:.2f}x |")
+    lines.append("")
+    for r in res.get("peagle_over_eagle3", []):
+        lines.append(f"Batch {r['batch']}: fastest {r['peagle']} / fastest {r['eagle3']} = {r['ratio']:.2f}x  ")
     return "\n".join(lines) + "\n"
 
 
@@ -223,14 +230,20 @@ def run(args) -> dict:
         ("EAGLE-3", f"K={k}", dict(k=k, sequential=True, which="eagle3" if has_eagle3 else "peagle")) for k in ks
     ]
     configs += [("P-EAGLE tree", t, dict(tree=parse_tree(t))) for t in trees]
+    sampled = [int(k) for k in args.sampled_ks.split(",")] if args.sampled_ks else ks
     res = {"questions": len(prompts), "max_new_tokens": args.max_new_tokens, "acceptance": [], "speed": []}
     temps = [float(t) for t in args.temperatures.split(",")]
-    bar = tqdm(total=len(temps) * (len(configs) + 1), desc="acceptance", unit="run", disable=not args.progress)
+    per_temp = [len(configs) + 1] + [
+        1 + sum(1 for _, _, c in configs if c.get("k") is None or c["k"] in sampled) for _ in temps[1:]
+    ]
+    bar = tqdm(total=sum(per_temp), desc="acceptance", unit="run", disable=not args.progress)
     gens = {}
     for temp in temps:
         reference = generate_all(plain, prompts, temperature=temp, **kw)
         bar.update(1)
         for method, shape, spec in configs:
+            if temp != temps[0] and spec.get("k") is not None and spec["k"] not in sampled:
+                continue
             key = (method, shape)
             if key not in gens:
                 gens[key] = make(**spec)
@@ -240,16 +253,22 @@ def run(args) -> dict:
     bar.close()
 
     greedy = [r for r in res["acceptance"] if r["temperature"] == temps[0] and r["method"] != "P-EAGLE tree"]
-    best = {
-        m: max((r for r in greedy if r["method"] == m), key=lambda r: r["acceptance_length"])
-        for m in ("P-EAGLE", "EAGLE-3")
-    }
+    if args.speed_ks:
+        timed_shapes = [(m, f"K={k}") for m in ("P-EAGLE", "EAGLE-3") for k in args.speed_ks.split(",")]
+    else:
+        timed_shapes = [
+            (m, max((r for r in greedy if r["method"] == m), key=lambda r: r["acceptance_length"])["shape"])
+            for m in ("P-EAGLE", "EAGLE-3")
+        ]
+    missing = [f"{m} {s}" for m, s in timed_shapes if (m, s) not in gens]
+    if missing:
+        raise UserError(f"--speed-ks: {', '.join(missing)} not in --ks")
     speed_prompts = prompts[: args.speed_questions]
     for batch in (1, 4):
         skw = dict(batch=batch, max_new_tokens=args.max_new_tokens, stops=stops, temperature=0.0)
         runs = {"plain": lambda g=plain, s=skw: generate_all(g, speed_prompts, **s)}
-        for m, r in best.items():
-            runs[f"{m} {r['shape']}"] = lambda g=gens[(m, r["shape"])], s=skw: generate_all(g, speed_prompts, **s)
+        for m, shape in timed_shapes:
+            runs[f"{m} {shape}"] = lambda g=gens[(m, shape)], s=skw: generate_all(g, speed_prompts, **s)
         tokens = {name: sum(len(t) for t in fn()) for name, fn in runs.items()}
         if args.transformers:
             runs["transformers generate()"] = transformers_generate(
@@ -263,10 +282,36 @@ def run(args) -> dict:
                 fn()
                 secs[name].append(time.perf_counter() - t0)
         base = tokens["plain"] / statistics.median(secs["plain"])
+        rows = []
         for name in runs:
             tps = tokens[name] / statistics.median(secs[name])
-            res["speed"].append({"batch": batch, "method": name, "tokens_per_s": tps, "vs_plain": tps / base})
+            rows.append({"batch": batch, "method": name, "tokens_per_s": tps, "vs_plain": tps / base})
+        res["speed"] += rows
+        fastest = {
+            m: max((r for r in rows if r["method"].startswith(m + " K=")), key=lambda r: r["tokens_per_s"])
+            for m in ("P-EAGLE", "EAGLE-3")
+        }
+        res.setdefault("peagle_over_eagle3", []).append(
+            {
+                "batch": batch,
+                "peagle": fastest["P-EAGLE"]["method"],
+                "eagle3": fastest["EAGLE-3"]["method"],
+                "ratio": fastest["P-EAGLE"]["tokens_per_s"] / fastest["EAGLE-3"]["tokens_per_s"],
+            }
+        )
     return res
+
+
+def default_drafters(args) -> None:
+    """Fill ``--drafter`` / ``--eagle3-drafter`` with the shipped drafters of the embedded target."""
+    from peagle_jax.drafter.shipped import SHIPPED_DIR, shipped_drafter
+
+    if args.model == "smollm2":
+        args.drafter = args.drafter or str(shipped_drafter("smollm2-peagle"))
+        if args.eagle3_drafter is None and (SHIPPED_DIR / "smollm2-eagle3" / "config.json").is_file():
+            args.eagle3_drafter = str(SHIPPED_DIR / "smollm2-eagle3")
+    if args.drafter is None:
+        raise UserError("--drafter is needed for a --model other than smollm2")
 
 
 def main(argv=None) -> int:
@@ -275,8 +320,14 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m peagle_jax.bench", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
-    p.add_argument("--drafter", required=True, help="P-EAGLE drafter directory")
-    p.add_argument("--eagle3-drafter", help="EAGLE-3 drafter for the sequential baseline (default: the P-EAGLE one)")
+    p.add_argument(
+        "--drafter", help="P-EAGLE drafter directory (default: the shipped smollm2-peagle for --model smollm2)"
+    )
+    p.add_argument(
+        "--eagle3-drafter",
+        help="EAGLE-3 drafter for the sequential baseline (default: the shipped smollm2-eagle3 for --model smollm2, "
+        "else the P-EAGLE drafter drafting sequentially)",
+    )
     p.add_argument("--questions", type=int, default=0, help="use the first N questions (default all 80)")
     p.add_argument("--questions-file", help="JSONL of {'turns': [...]} instead of the MT-Bench asset")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer (default 256)")
@@ -284,6 +335,12 @@ def main(argv=None) -> int:
     p.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="K values (default 1..8)")
     p.add_argument("--trees", default="0,1,00,10;0,1,2,00,10,20,000", help="';'-separated tree specs")
     p.add_argument("--temperatures", default="0,0.7", help="comma-separated (default 0,0.7; the first is greedy)")
+    p.add_argument(
+        "--sampled-ks", help="K values run at the temperatures after the first (default: all of --ks); trees always"
+    )
+    p.add_argument(
+        "--speed-ks", help="K values timed for both methods (default: each method's best K by greedy acceptance)"
+    )
     p.add_argument("--batch", type=int, default=8, help="rows per generate call in the acceptance part (default 8)")
     p.add_argument("--speed-questions", type=int, default=8, help="questions timed in the speed part (default 8)")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds in the speed part (default 3)")
@@ -294,6 +351,7 @@ def main(argv=None) -> int:
     try:
         if float(args.temperatures.split(",")[0]) != 0:
             raise UserError("--temperatures: the first must be 0 (greedy picks the best K for the speed part)")
+        default_drafters(args)
         res = run(args)
     except MismatchError as e:
         print(f"FAILED: {e}", file=sys.stderr)

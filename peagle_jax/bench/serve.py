@@ -171,7 +171,7 @@ def main(argv=None) -> int:
         common += ["--platform", args.platform]
     model = "smollm2" if args.model == "smollm2" else Path(args.model).resolve().name
     spec = [*common, "--drafter", drafter, "--k", str(args.k)]
-    modes = {"plain": common, f"speculative K={args.k}": spec}
+    modes = {"plain": [*common, "--k", "0"], f"speculative K={args.k}": spec}
     if args.load_k:
         modes[f"speculative K={args.k}, --load-k {args.load_k}"] = [*spec, "--load-k", args.load_k]
     out = {"config": vars(args), "modes": {}}

@@ -110,7 +110,9 @@ def sweep(args) -> list[dict]:
             K = run["shape"][2]
             batch = _batch(np.random.default_rng(r), B, T, K, aux, hidden, tokens)
             t0 = time.perf_counter()
-            run["state"], m = train_step(run["state"], batch, embed[:run["shape"][1]], embed, cfg=run["dcfg"], tcfg=tcfg, num_depths=K)
+            run["state"], m = train_step(
+                run["state"], batch, embed[: run["shape"][1]], embed, cfg=run["dcfg"], tcfg=tcfg, num_depths=K
+            )
             jax.block_until_ready(m["loss"])
             if r:
                 run["t"].append(time.perf_counter() - t0)

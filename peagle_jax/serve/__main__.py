@@ -16,6 +16,7 @@ import logging
 import sys
 from pathlib import Path
 
+from peagle_jax.drafter.shipped import DEFAULT_FOR_MODEL, check_speculation_flags, resolve_drafter
 from peagle_jax.errors import UserError
 
 SAGEMAKER_MODEL_DIR = Path("/opt/ml/model")
@@ -41,10 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--drafter",
-        help="drafter directory (speculators / EAGLE / converted); enables speculative decoding (default: none; "
-        "with --sagemaker: /opt/ml/model/drafter when present)",
+        help="drafter directory (speculators / EAGLE / converted); enables speculative decoding (default: the "
+        "shipped P-EAGLE drafter for the embedded smollm2, none for other models; with --sagemaker: "
+        "/opt/ml/model/drafter when present)",
     )
-    p.add_argument("--k", type=int, help="draft tokens per step (default: the drafter config's)")
+    p.add_argument("--k", type=int, help="draft tokens per step; 0 = no speculation (default: the drafter config's)")
     p.add_argument("--tree", help="static draft tree as comma-separated rank paths, e.g. 0,1,00,10 (default: chain)")
     p.add_argument("--sequential", action="store_true", help="EAGLE-3 sequential drafting instead of parallel")
     p.add_argument("--fused", action="store_true", help="draft and verify in one graph per step")
@@ -105,19 +107,19 @@ def resolve(args) -> argparse.Namespace:
     args.model = args.model or "smollm2"
     args.host = args.host or ("0.0.0.0" if sagemaker else "127.0.0.1")
     args.port = args.port if args.port is not None else (SAGEMAKER_PORT if sagemaker else 8000)
-    if args.drafter is None and (args.k is not None or args.tree or args.sequential or args.fused or args.load_k):
-        raise UserError("--k, --tree, --sequential, --fused and --load-k need --drafter")
+    flags = {"--tree": args.tree, "--sequential": args.sequential, "--fused": args.fused, "--load-k": args.load_k}
+    check_speculation_flags(args.drafter or DEFAULT_FOR_MODEL.get(args.model), args.k, flags)
     args.load_k = parse_load_k(args.load_k)
     for flag, value, low in (
         ("--max-batch", args.max_batch, 1),
         ("--max-seq-len", args.max_seq_len, 2),
         ("--max-queue", args.max_queue, 1),
-        ("--k", args.k, 1),
     ):
         if value is not None and value < low:
             raise UserError(f"{flag} must be >= {low}, got {value}")
     if not 0 <= args.port < 65536:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
+    args.drafter = resolve_drafter(args.model, args.drafter, args.k)
     return args
 
 
