@@ -1,8 +1,9 @@
 """``python -m peagle_jax.bench.serve``: throughput and latency of ``python -m peagle_jax.serve`` at several
 concurrency levels, speculation off and on, in one run.
 
-For each mode (plain; speculative with ``--drafter``, by default a random SmolLM2-sized P-EAGLE drafter;
-speculative with a smaller K under load, ``--load-k``) the benchmark starts the server with the same model
+For each mode (plain; speculative with ``--drafter``, by default the shipped drafter of the embedded
+SmolLM2, or a random P-EAGLE drafter of SmolLM2's size for other models; speculative with a smaller K under
+load, ``--load-k``) the benchmark starts the server with the same model
 and flags, waits until its graphs are compiled, and at each concurrency level c runs ``--rounds`` x c
 streamed greedy completions from c client threads (each client sends its next request when the previous
 one ends). Per request it records the time to the first token (TTFT) and the time per output token after
@@ -10,7 +11,8 @@ it (TPOT); per level the output-token throughput (generated tokens / wall time).
 and, with ``--json FILE``, the raw numbers.
 
 A random drafter accepts almost nothing, so its numbers show the cost of speculation without its gain:
-they are a floor, not what a trained drafter reaches.
+they are a floor, not what a trained drafter reaches. The acceptance length each speculative server
+reached is scraped from its /metrics and printed under the table.
 """
 
 from __future__ import annotations
@@ -142,7 +144,10 @@ def scrape_acceptance(base: str) -> float | None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.serve", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
-    p.add_argument("--drafter", help="drafter directory (default: a random SmolLM2-sized P-EAGLE drafter)")
+    p.add_argument(
+        "--drafter",
+        help="drafter directory (default: the shipped drafter for smollm2, else a random SmolLM2-sized P-EAGLE one)",
+    )
     p.add_argument("--k", type=int, default=3, help="draft tokens per step in the speculative mode (default 3)")
     p.add_argument(
         "--load-k", default="4:1", help="also run speculation with this --load-k policy ('' to skip; default 4:1)"
@@ -155,7 +160,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
-    drafter = args.drafter
+    from peagle_jax.drafter.shipped import resolve_drafter
+
+    drafter = args.drafter or resolve_drafter(args.model, None, None)
     if drafter is None:
         import jax
 

@@ -26,8 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", default="smollm2", help="target model directory, or 'smollm2' (default)")
     e.add_argument(
         "--drafter",
-        help="drafter directory (default: a randomly initialised 2-layer P-EAGLE drafter of the target's shape; "
-        "a graph's shapes do not depend on the weights)",
+        help="drafter directory (default: the shipped drafter for smollm2, else a randomly initialised 2-layer "
+        "P-EAGLE drafter of the target's shape; a graph's shapes do not depend on the weights)",
     )
     e.add_argument("--buckets", help="serving buckets YAML (default: the built-in small set, see neuron/README.md)")
     e.add_argument("--out", required=True, help="output directory")
@@ -58,31 +58,40 @@ def target_config(model: str, dtype: str, aux_layer_ids=None):
     return from_hf_config(config, dtype=dtype, aux_layer_ids=aux_layer_ids)
 
 
+def configs(model: str, drafter: str | None, dtype: str):
+    """(target config, drafter config, a line saying which drafter) for ``--model`` / ``--drafter``: the
+    given drafter, else the shipped default of the model, else a random one of the target's shape."""
+    from peagle_jax.drafter.shipped import resolve_drafter
+    from peagle_jax.neuron.graphs import random_drafter_config
+
+    drafter = drafter or resolve_drafter(model, None, None)
+    if drafter:
+        from peagle_jax.drafter.load import load_drafter
+
+        dcfg = load_drafter(drafter, dtype=dtype)[0]
+        cfg = target_config(model, dtype, dcfg.aux_layer_ids)
+        return cfg, dcfg, f"drafter {drafter} ({dcfg.algorithm}, {dcfg.layer.num_layers} layers)"
+    cfg = target_config(model, dtype)
+    note = (
+        "no --drafter: a randomly initialised 2-layer P-EAGLE drafter of the target's shape "
+        "(graph shapes do not depend on weights)"
+    )
+    return cfg, random_drafter_config(cfg), note
+
+
 def run_export(args) -> int:
     import jax
     from tqdm import tqdm
 
     from peagle_jax.neuron.buckets import load_buckets
     from peagle_jax.neuron.export import export_all
-    from peagle_jax.neuron.graphs import all_graphs, random_drafter_config
+    from peagle_jax.neuron.graphs import all_graphs
 
     buckets = load_buckets(args.buckets)
     platforms = tuple(p.strip() for p in args.platforms.split(",") if p.strip())
     if not platforms:
         raise UserError("--platforms is empty")
-    if args.drafter:
-        from peagle_jax.drafter.load import load_drafter
-
-        dcfg, _ = load_drafter(args.drafter, dtype=buckets.dtype)
-        cfg = target_config(args.model, buckets.dtype, dcfg.aux_layer_ids)
-        drafter_note = f"drafter {args.drafter} ({dcfg.algorithm}, {dcfg.layer.num_layers} layers)"
-    else:
-        cfg = target_config(args.model, buckets.dtype)
-        dcfg = random_drafter_config(cfg)
-        drafter_note = (
-            "no --drafter: a randomly initialised 2-layer P-EAGLE drafter of the target's shape "
-            "(graph shapes do not depend on weights; no trained drafter ships yet)"
-        )
+    cfg, dcfg, drafter_note = configs(args.model, args.drafter, buckets.dtype)
     if args.tp < 1:
         raise UserError(f"--tp must be >= 1, got {args.tp}")
     graphs = all_graphs(cfg, dcfg, buckets, tp=args.tp)

@@ -174,7 +174,11 @@ def plan(
 def add_plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="roofline bound on step time and tokens/s on a Neuron instance")
     p.add_argument("--model", default="smollm2", help="target model directory, or 'smollm2' (default)")
-    p.add_argument("--drafter", help="drafter directory (default: a 2-layer P-EAGLE drafter of the target's shape)")
+    p.add_argument(
+        "--drafter",
+        help="drafter directory (default: the shipped drafter for smollm2, else a 2-layer P-EAGLE drafter of the "
+        "target's shape)",
+    )
     p.add_argument("--instance", required=True, choices=sorted(INSTANCES), help="instance type")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (NeuronCores) (default 1)")
     p.add_argument("--k", type=int, default=7, help="draft tokens per step (default 7)")
@@ -186,19 +190,11 @@ def add_plan_parser(sub) -> None:
 
 
 def run_plan(args) -> int:
-    from peagle_jax.neuron.__main__ import target_config
-    from peagle_jax.neuron.graphs import random_drafter_config
+    from peagle_jax.neuron.__main__ import configs
 
     if args.k < 1 or args.batch < 1 or args.context < 0:
         raise UserError("--k and --batch must be >= 1 and --context >= 0")
-    if args.drafter:
-        from peagle_jax.drafter.load import load_drafter
-
-        dcfg, _ = load_drafter(args.drafter, dtype=args.dtype)
-        cfg = target_config(args.model, args.dtype, dcfg.aux_layer_ids)
-    else:
-        cfg = target_config(args.model, args.dtype)
-        dcfg = random_drafter_config(cfg)
+    cfg, dcfg, _ = configs(args.model, args.drafter, args.dtype)
     if cfg.num_kv_heads % args.tp:
         raise UserError(
             f"--tp {args.tp} must divide the target's {cfg.num_kv_heads} kv heads (tensor parallelism shards them)"
