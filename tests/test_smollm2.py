@@ -112,3 +112,5 @@ def test_cli_chat_json(ref):
     assert result["text"] == ref["tokenizer"].decode(result["token_ids"], skip_special_tokens=True)
     assert result["text"].startswith("The sky is blue")
     assert result["tokens_per_s"] > 0
+    # The embedded target is speculated by the shipped drafter by default, and still equals transformers.
+    assert result["acceptance_length"] > 1.0 and result["target_forwards"] < 16

@@ -80,11 +80,20 @@ def test_tiny_recipe_end_to_end_and_resume(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((shipped / "config.json").read_text())["dtype"] == "bfloat16"
     proc = _run(
-        "-m", "peagle_jax.train.card", str(out), "--drafter", str(shipped), "--command", "python train/train.py ..."
+        "-m",
+        "peagle_jax.train.card",
+        str(out),
+        "--drafter",
+        str(shipped),
+        "--command",
+        "python train/train.py ...",
+        "--note",
+        "trained in a test",
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = (shipped / "README.md").read_text()
     assert "30 steps of" in text and "| accuracy |" in text and "python train/train.py ..." in text
+    assert "## Notes\n\n- trained in a test" in text
     assert f"{summary['last_eval']['acc_K'][0] * 100:.1f}%" in text
     bf16 = _generate(*common, "--drafter", str(shipped), "--k", "3")
     assert bf16["token_ids"] == plain["token_ids"]

@@ -237,19 +237,24 @@ def run(args) -> dict:
         1 + sum(1 for _, _, c in configs if c.get("k") is None or c["k"] in sampled) for _ in temps[1:]
     ]
     bar = tqdm(total=sum(per_temp), desc="acceptance", unit="run", disable=not args.progress)
-    gens = {}
+    references = {}
     for temp in temps:
-        reference = generate_all(plain, prompts, temperature=temp, **kw)
+        references[temp] = generate_all(plain, prompts, temperature=temp, **kw)
         bar.update(1)
-        for method, shape, spec in configs:
+    specs = {}
+    # One speculative generator alive at a time (each holds its caches and compiled graphs): config-major.
+    for method, shape, spec in configs:
+        specs[(method, shape)] = spec
+        gen = make(**spec)
+        for temp in temps:
             if temp != temps[0] and spec.get("k") is not None and spec["k"] not in sampled:
                 continue
-            key = (method, shape)
-            if key not in gens:
-                gens[key] = make(**spec)
-            r = acceptance_run(gens[key], prompts, reference, name=f"{method} {shape} T={temp}", temperature=temp, **kw)
-            res["acceptance"].append({"method": method, "shape": shape, "temperature": temp, "K": gens[key].K, **r})
+            name = f"{method} {shape} T={temp}"
+            r = acceptance_run(gen, prompts, references[temp], name=name, temperature=temp, **kw)
+            res["acceptance"].append({"method": method, "shape": shape, "temperature": temp, "K": gen.K, **r})
             bar.update(1)
+        del gen
+    res["acceptance"].sort(key=lambda r: temps.index(r["temperature"]))
     bar.close()
 
     greedy = [r for r in res["acceptance"] if r["temperature"] == temps[0] and r["method"] != "P-EAGLE tree"]
@@ -260,15 +265,16 @@ def run(args) -> dict:
             (m, max((r for r in greedy if r["method"] == m), key=lambda r: r["acceptance_length"])["shape"])
             for m in ("P-EAGLE", "EAGLE-3")
         ]
-    missing = [f"{m} {s}" for m, s in timed_shapes if (m, s) not in gens]
+    missing = [f"{m} {s}" for m, s in timed_shapes if (m, s) not in specs]
     if missing:
         raise UserError(f"--speed-ks: {', '.join(missing)} not in --ks")
     speed_prompts = prompts[: args.speed_questions]
+    speed_gens = {key: make(**specs[key]) for key in timed_shapes}
     for batch in (1, 4):
         skw = dict(batch=batch, max_new_tokens=args.max_new_tokens, stops=stops, temperature=0.0)
         runs = {"plain": lambda g=plain, s=skw: generate_all(g, speed_prompts, **s)}
         for m, shape in timed_shapes:
-            runs[f"{m} {shape}"] = lambda g=gens[(m, shape)], s=skw: generate_all(g, speed_prompts, **s)
+            runs[f"{m} {shape}"] = lambda g=speed_gens[(m, shape)], s=skw: generate_all(g, speed_prompts, **s)
         tokens = {name: sum(len(t) for t in fn()) for name, fn in runs.items()}
         if args.transformers:
             runs["transformers generate()"] = transformers_generate(

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from peagle_jax.errors import UserError
+from peagle_jax.train.regen import read_shards
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -43,7 +44,7 @@ def collect(run: Path) -> dict:
     vocab = json.loads((run / "vocab.json").read_text())
     summary = json.loads((run / "summary.json").read_text())
     shards = sorted((run / "regen").glob("shard-*.jsonl"))
-    records = [json.loads(line) for f in shards for line in f.read_text().splitlines()[1:] if line.strip()]
+    records = read_shards(shards)
     evals = _jsonl(run / "eval.jsonl")
     return {
         "recipe": recipe,
@@ -58,7 +59,9 @@ def collect(run: Path) -> dict:
     }
 
 
-def card(info: dict, *, name: str, command: str, ship_command: str, size_bytes: int | None) -> str:
+def card(
+    info: dict, *, name: str, command: str, ship_command: str, size_bytes: int | None, notes: list[str] = ()
+) -> str:
     r, v, s = info["recipe"], info["vocab"], info["summary"]
     d, b, o = r["drafter"], r["batch"], r["optim"]
     kind = "P-EAGLE (parallel drafting)" if o["objective"] == "peagle" else "EAGLE-3 (sequential drafting, TTT)"
@@ -121,6 +124,8 @@ def card(info: dict, *, name: str, command: str, ship_command: str, size_bytes: 
             + ", ".join(f"{st}: {lo:.2f}, {100 * a:.1f}%" for st, lo, a in info["eval_curve"]),
             "",
         ]
+    if notes:
+        lines += ["## Notes", "", *(f"- {n}" for n in notes), ""]
     return "\n".join(lines)
 
 
@@ -131,6 +136,7 @@ def main(argv=None) -> int:
     p.add_argument("--name", help="drafter name in the title (default: the directory name)")
     p.add_argument("--command", required=True, help="the training command, as run")
     p.add_argument("--ship-command", default="", help="the command that wrote the shipped directory")
+    p.add_argument("--note", action="append", default=[], help="a line for the card's Notes section (repeatable)")
     args = p.parse_args(argv)
     try:
         info = collect(Path(args.run))
@@ -139,7 +145,12 @@ def main(argv=None) -> int:
             raise UserError(f"{dst}: no drafter there (config.json missing)")
         size = sum(f.stat().st_size for f in dst.glob("*.safetensors")) or None
         text = card(
-            info, name=args.name or dst.name, command=args.command, ship_command=args.ship_command, size_bytes=size
+            info,
+            name=args.name or dst.name,
+            command=args.command,
+            ship_command=args.ship_command,
+            size_bytes=size,
+            notes=args.note,
         )
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
