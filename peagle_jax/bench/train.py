@@ -44,16 +44,24 @@ def _batch(rng, B, T, K, aux, hidden, tokens):
     )
 
 
+def _drafter(layers: int, vocab: int, *, shared_embedding: bool):
+    """(config, random params) of a SmolLM2-sized P-EAGLE drafter over a ``vocab``-id draft vocabulary; with
+    ``shared_embedding`` it reads the target's embedding instead of its own (as the shipped drafters do)."""
+    dcfg = smollm2_sized_drafter(layers=layers, draft_vocab=vocab)
+    if shared_embedding:
+        dcfg = dcfg.replace(target_hidden_size=576, own_embedding=False, embed_requires_grad=False)
+    params = init_drafter_params(dcfg, jax.random.key(0))
+    params["d2t"] = jnp.zeros((vocab,), jnp.int32)
+    params["t2d"] = jnp.zeros((dcfg.layer.vocab_size,), bool).at[:vocab].set(True)
+    return dcfg, params
+
+
 def throughput(args) -> dict:
     from peagle_jax.checkpoint import load_target_any
     from peagle_jax.gguf_loader import default_model_dir
 
     tcfg_model, tparams = load_target_any(default_model_dir())
-    dcfg = smollm2_sized_drafter(layers=2, draft_vocab=args.draft_vocab)
-    dcfg = dcfg.replace(target_hidden_size=tcfg_model.hidden_size, own_embedding=False, embed_requires_grad=False)
-    params = init_drafter_params(dcfg, jax.random.key(0))
-    params["d2t"] = jnp.zeros((args.draft_vocab,), jnp.int32)
-    params["t2d"] = jnp.zeros((dcfg.layer.vocab_size,), bool).at[: args.draft_vocab].set(True)
+    dcfg, params = _drafter(2, args.draft_vocab, shared_embedding=True)
     tcfg = TrainConfig(lr=1e-4, warmup_steps=1, total_steps=10_000)
     B, T, K = args.batch_size, args.seq_len, args.num_depths
     head = tparams["embed_tokens"][: args.draft_vocab]
@@ -99,11 +107,7 @@ def sweep(args) -> list[dict]:
     tcfg = TrainConfig(lr=1e-4, warmup_steps=1, total_steps=10_000)
     runs = []
     for layers, vocab, K in shapes:
-        dcfg = smollm2_sized_drafter(layers=layers, draft_vocab=vocab)
-        dcfg = dcfg.replace(target_hidden_size=576, own_embedding=False, embed_requires_grad=False)
-        params = init_drafter_params(dcfg, jax.random.key(0))
-        params["d2t"] = jnp.zeros((vocab,), jnp.int32)
-        params["t2d"] = jnp.zeros((49152,), bool).at[:vocab].set(True)
+        dcfg, params = _drafter(layers, vocab, shared_embedding=True)
         runs.append({"shape": (layers, vocab, K), "dcfg": dcfg, "state": init_train_state(params, dcfg, tcfg), "t": []})
     for r in range(args.rounds + 1):  # round 0 compiles
         for run in runs:
@@ -130,10 +134,7 @@ def sweep(args) -> list[dict]:
 
 
 def memory(args) -> dict:
-    dcfg = smollm2_sized_drafter(layers=2, draft_vocab=args.draft_vocab)
-    params = init_drafter_params(dcfg, jax.random.key(0))
-    params["d2t"] = jnp.zeros((args.draft_vocab,), jnp.int32)
-    params["t2d"] = jnp.zeros((dcfg.layer.vocab_size,), bool).at[: args.draft_vocab].set(True)
+    dcfg, params = _drafter(2, args.draft_vocab, shared_embedding=False)
     T, K, D = args.long_seq_len, args.num_depths, dcfg.layer.hidden_size
     E = max_elements(T, K)
     sds = jax.ShapeDtypeStruct
