@@ -92,6 +92,7 @@ class SpecStats:
     """Counters over everything generated so far (all rows)."""
 
     target_forwards: int = 0  # verify calls x live rows (prefill excluded)
+    plain_forwards: int = 0  # plain steps (no draft, see SlotEngine's adaptive K) x live rows: not in the above
     emitted: int = 0  # tokens emitted by those verify calls
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)  # drafts accepted at depth k
     draft_s: float = 0.0  # with --fused, draft and verify are one launch, counted as verify
@@ -133,9 +134,22 @@ class SpecState:
         lengths = np.asarray(lengths_B, np.int32)
         return cls(ctx_tokens, ctx_aux, np.ones(B, np.int32), lengths - 1, lengths.copy(), np.asarray(first_B).copy())
 
-    def advance(self, tokens_BC, count_B, aux_BCX, live_B) -> None:
-        """Commit a step's output for the live rows; the others stay in place."""
+    def advance(self, tokens_BC, count_B, aux_BCX, live_B, *, plain: bool = False) -> None:
+        """Commit a step's output for the live rows; the others stay in place. A ``plain`` step (no draft, one
+        token per row) ran no draft, so its one new element is appended to the context not yet drafted from
+        (:meth:`SpeculativeGenerator.make_room` first keeps a slot free for it)."""
         B = len(count_B)
+        if plain:
+            rows = np.flatnonzero(live_B)
+            at = self.ctx_count[rows]
+            if (at >= self.ctx_tokens.shape[1]).any():
+                raise ValueError("the draft context is full: call make_room before a plain step")
+            self.ctx_tokens[rows, at] = tokens_BC[rows, 0]
+            self.ctx_aux = self.ctx_aux.at[jnp.asarray(rows), jnp.asarray(at)].set(aux_BCX[jnp.asarray(rows), 0])
+            self.ctx_count[rows] += 1
+            self.q[rows] += 1
+            self.root[rows] = tokens_BC[rows, 0]
+            return
         self.ctx_start = np.where(live_B, self.q, self.ctx_start)
         self.q = self.q + np.where(live_B, count_B, 0)
         self.root = np.where(live_B, tokens_BC[np.arange(B), np.maximum(count_B - 1, 0)], self.root)
@@ -259,13 +273,15 @@ class SpeculativeGenerator(Generator):
         ``tree`` (default the generator's) may be a smaller tree of depth K' <= K and no more nodes, e.g. a
         shorter chain under load: it drafts K' tokens over the same K + 1 context slots and verifies them;
         its outputs are padded to K + 1 columns (a count never exceeds K' + 1, so the padding is never read).
+        ``chain(0)`` is a plain step (one token per row, counted in ``spec.plain_forwards``); its rows need a
+        free context slot (:meth:`make_room`) and :meth:`SpecState.advance` with ``plain=True``.
         """
         tree = tree or self.tree
         if tree.depth > self.K or tree.size > self.tree.size:
             raise ValueError(f"a step tree must fit the generator's (depth <= {self.K}, <= {self.tree.size} nodes)")
         t0 = time.perf_counter()
         window = self.window(int(state.q[live].max(initial=0)) + tree.size + 1)
-        if self.fused:
+        if self.fused and tree.depth:
             # One window for both halves (the larger: a wider window is always safe), so the fused graphs
             # are one per window bucket, not one per (draft window, verify window) pair.
             window = max(window, self._draft_window(state.ctx_start))
@@ -294,14 +310,21 @@ class SpeculativeGenerator(Generator):
             )
             t1 = t0  # one launch: its whole time is counted as verify
         else:
-            draft, dcache = self._draft(dcache, state.ctx_tokens, state.ctx_aux, state.ctx_count, state.ctx_start, tree)
-            jax.block_until_ready(draft)
+            if tree.depth:
+                draft, dcache = self._draft(
+                    dcache, state.ctx_tokens, state.ctx_aux, state.ctx_count, state.ctx_start, tree
+                )
+                draft_tokens = jax.block_until_ready(draft.tokens)
+            else:  # a plain step: no draft; the target decodes the root (and returns its aux)
+                if (state.ctx_count[live] >= self.K + 1).any():
+                    raise ValueError("the draft context is full: call make_room before a plain step")
+                draft_tokens = jnp.zeros((len(live), 0, 1), jnp.int32)
             t1 = time.perf_counter()
             out, cache = verify(
                 self.params,
                 cache,
                 jnp.asarray(state.root),
-                draft.tokens,
+                draft_tokens,
                 jnp.asarray(state.q),
                 seeds,
                 sampling,
@@ -315,6 +338,11 @@ class SpeculativeGenerator(Generator):
             tokens = np.pad(tokens, ((0, 0), (0, self.K - tree.depth)))
             aux = jnp.pad(aux, ((0, 0), (0, self.K - tree.depth), (0, 0)))
         t2 = time.perf_counter()
+        self.stats.decode_steps += 1
+        if tree.depth == 0:
+            self.spec.plain_forwards += int(live.sum())
+            self.spec.verify_s += t2 - t1
+            return tokens, count, aux, cache, dcache
         for c in count[live]:
             self.spec.target_forwards += 1
             self.spec.emitted += int(c)
@@ -323,8 +351,34 @@ class SpeculativeGenerator(Generator):
         self.spec.steps += 1
         self.spec.draft_s += t1 - t0
         self.spec.verify_s += t2 - t1
-        self.stats.decode_steps += 1
         return tokens, count, aux, cache, dcache
+
+    def make_room(self, dcache, state: SpecState, rows: int):
+        """Before a plain step: where one of the first ``rows`` rows holds a full draft context (K + 1
+        elements, after K + 1 steps without a draft), write the context of those rows into the drafter cache
+        (:func:`drafter_prefill`) and keep only each full row's last element pending. A row's pending
+        elements are the same either way (written now or by its next draft), so this changes no output.
+        Returns the drafter cache; ``state`` is updated in place."""
+        C = self.K + 1
+        full = np.flatnonzero(state.ctx_count[:rows] >= C)
+        if not len(full):
+            return dcache
+        start = state.ctx_start[:rows]
+        dcache = drafter_prefill(
+            self.dparams,
+            dcache,
+            jnp.asarray(state.ctx_tokens[:rows]),
+            state.ctx_aux[:rows],
+            jnp.asarray(start),
+            self.embed,
+            cfg=self.dcfg,
+            window=self.window(int(start.max()) + C),
+        )
+        state.ctx_tokens[full, 0] = state.ctx_tokens[full, C - 1]
+        state.ctx_aux = state.ctx_aux.at[jnp.asarray(full), 0].set(state.ctx_aux[jnp.asarray(full), C - 1])
+        state.ctx_start[full] += C - 1
+        state.ctx_count[full] = 1
+        return dcache
 
     def stream(
         self,

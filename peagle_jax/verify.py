@@ -51,17 +51,17 @@ class Tree:
 
     @property
     def depth(self) -> int:
-        """K: the deepest draft depth the tree uses."""
-        return max(self.depths)
+        """K: the deepest draft depth the tree uses (0 for ``chain(0)``: a plain step, the root alone)."""
+        return max(self.depths, default=0)
 
     @property
     def width(self) -> int:
         """Candidates needed per depth (top-n of the draft)."""
-        return max(self.ranks) + 1
+        return max(self.ranks, default=0) + 1
 
     @property
     def is_chain(self) -> bool:
-        return self.depths == tuple(range(1, self.size + 1)) and set(self.ranks) == {0}
+        return self.depths == tuple(range(1, self.size + 1)) and set(self.ranks) <= {0}
 
     def mask(self) -> np.ndarray:
         """[T, T] (T = size + 1): node i sees itself and its ancestors."""
@@ -172,7 +172,10 @@ def verify(
     """
     K, T = tree.depth, tree.size + 1
     depths = jnp.asarray((0, *tree.depths), jnp.int32)
-    node_tokens_BN = draft_tokens_BKn[:, jnp.asarray(tree.depths) - 1, jnp.asarray(tree.ranks)]
+    if tree.size:
+        node_tokens_BN = draft_tokens_BKn[:, jnp.asarray(tree.depths) - 1, jnp.asarray(tree.ranks)]
+    else:  # chain(0): the root alone, i.e. a plain decode step that also returns the root's aux state
+        node_tokens_BN = jnp.zeros((root_B.shape[0], 0), jnp.int32)
     tokens_BT = jnp.concatenate([root_B[:, None], node_tokens_BN], axis=1).astype(jnp.int32)
     positions_BT = q_B[:, None] + depths[None, :]
     mask_BTT = jnp.broadcast_to(jnp.asarray(tree.mask()), (q_B.shape[0], T, T))
@@ -191,7 +194,7 @@ def verify(
     best_B = argmax_first(score_BT, axis=-1)
     count_B = jnp.take(depths, best_B) + 1
     path_BK = jnp.take(jnp.asarray(tree.ancestors()), best_B, axis=0)  # node at each depth 1..K (0 = beyond)
-    path_nodes_BK1 = jnp.concatenate([jnp.zeros_like(path_BK[:, :1]), path_BK], axis=1)  # root first
+    path_nodes_BK1 = jnp.concatenate([jnp.zeros((q_B.shape[0], 1), path_BK.dtype), path_BK], axis=1)  # root first
     ks = jnp.arange(K + 1)[None, :]
     # Emitted token k (k = 0..K): y of the path node at depth k, valid while k < count.
     emitted_BK1 = jnp.take_along_axis(y_BT, path_nodes_BK1, axis=1)

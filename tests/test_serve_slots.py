@@ -146,11 +146,84 @@ def test_smaller_k_under_load_equals_generators(models, fused, sequential):
     for i, r in enumerate(REQUESTS):
         assert outs[i] == _reference(plain, r), i
     assert set(engine.steps_by_k) == {1, 2, 3}
-    for bad in ([(2, 4)], [(0, 1)], [(2, 0)]):
+    for bad in ([(2, 4)], [(0, 1)], [(2, -1)]):
         with pytest.raises(RequestError):
             SlotEngine(spec, 3, load_k=bad)
     with pytest.raises(RequestError):
         SlotEngine(plain, 3, load_k=[(2, 1)])
+    with pytest.raises(RequestError):
+        SlotEngine(plain, 3, adaptive=True)
+    with pytest.raises(RequestError):
+        SlotEngine(spec, 3, load_k=[(2, 1)], adaptive=True)
+
+
+@pytest.mark.parametrize("fused,sequential", [(False, False), (True, True)])
+def test_plain_steps_in_a_speculative_engine_equal_generators(models, fused, sequential):
+    """K' = 0 (a plain step) under load, and every step length forced in turn (so that runs of more than
+    K + 1 plain steps fill the draft context and make_room writes it): outputs stay those of plain decoding,
+    greedy and sampled, and the drafter still accepts after the plain steps."""
+    params, dparams = models
+    plain = Generator(CFG, params, max_seq_len=MAX_SEQ)
+    spec = SpeculativeGenerator(
+        CFG, params, DCFG, dparams, k=3, fused=fused, sequential=sequential, max_seq_len=MAX_SEQ
+    )
+    engine = SlotEngine(spec, 3, load_k=[(2, 0)])
+    assert engine.describe() == "speculative, 3 drafted tokens per step (0 from 2 active; 0 = plain)"
+    outs, _ = _run(engine, REQUESTS, arrive_every=1)
+    refs = [_reference(plain, r) for r in REQUESTS]
+    assert outs == refs
+    assert engine.steps_by_k[0] > 0 and engine.steps_by_k[3] > 0
+    assert spec.spec.plain_forwards > 0
+
+    class Forced(SlotEngine):
+        """Steps cycle through 6 plain steps, a chain of 1, 2 plain steps, the full chain."""
+
+        pattern = [0] * 6 + [1, 0, 0, 3]
+
+        def step(self, tree=None):
+            k = self.pattern[sum(self.steps_by_k.values()) % len(self.pattern)]
+            return super().step(V.chain(k) if k < 3 else spec.tree)
+
+    spec.spec = type(spec.spec)(accepted_per_position=[0] * 3)
+    engine = Forced(spec, 3)
+    outs, _ = _run(engine, REQUESTS, arrive_every=1)
+    assert outs == refs
+    assert engine.steps_by_k[0] > 6 * engine.steps_by_k[3]
+    assert spec.spec.accepted_per_position[0] > 0
+
+
+def test_plain_steps_write_the_drafter_cache_a_draft_would(models):
+    """The committed drafter-cache slots hold the same keys and values whether drafts wrote them (K = 3
+    steps) or make_room did (plain steps only): the drafter sees the same context after plain steps."""
+    params, dparams = models
+    spec = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, max_seq_len=MAX_SEQ)
+    engines = [SlotEngine(spec, 1, load_k=[(1, 0)]), SlotEngine(spec, 1)]
+    for engine in engines:
+        engine.admit(SlotRequest([1, 2, 3, 4, 0], 40, stop_token_ids=[]))
+        while engine.state.ctx_start[0] < 25:
+            engine.step()
+    assert set(engines[0].steps_by_k) == {0} and set(engines[1].steps_by_k) == {3}
+    committed = min(int(e.state.ctx_start[0]) for e in engines)
+    plain_k, spec_k = (jax.tree.map(lambda x: np.asarray(x[0, :, :committed]), e.dcache) for e in engines)
+    for a, b in zip(jax.tree.leaves(plain_k), jax.tree.leaves(spec_k), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-3)
+        assert np.abs(a).max() > 1.0  # real keys and values, not an empty cache
+
+
+def test_adaptive_k_equals_generators_and_measures(models):
+    params, dparams = models
+    plain = Generator(CFG, params, max_seq_len=MAX_SEQ)
+    spec = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, max_seq_len=MAX_SEQ)
+    engine = SlotEngine(spec, 3, adaptive=True)
+    assert engine.describe().startswith("speculative, each step drafts 0/1/3 tokens")
+    outs, _ = _run(engine, REQUESTS, arrive_every=1)
+    assert outs == [_reference(plain, r) for r in REQUESTS]
+    assert set(engine.steps_by_k) == {0, 1, 3}  # each candidate is timed before the policy chooses
+    seen = engine.policy.snapshot()
+    assert set(seen["step_ms"]) >= {"1x0", "1x1", "1x3"} and len(seen["acceptance"]) == 3
+    # The policy's depth-1 acceptance estimate follows what the speculative steps accepted.
+    measured = spec.spec.accepted_per_position[0] / spec.spec.target_forwards
+    assert engine.policy.tries[0] > 0 and abs(engine.policy.acceptance()[0] - measured) < 0.15
 
 
 def test_bad_requests_are_refused_and_leave_the_slots_alone(models):
@@ -177,7 +250,7 @@ def test_no_compiles_after_warmup(models, speculative):
     if speculative:
         gen = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, max_seq_len=MAX_SEQ)
         graphs = (M.prefill, sample_jit, put_row, V.verify, D.parallel_draft, D.drafter_prefill, fused_step)
-        load_k = [(3, 2)]
+        load_k = [(3, 2), (4, 0)]
     else:
         gen = Generator(CFG, params, max_seq_len=MAX_SEQ)
         graphs = (M.prefill, sample_jit, put_row, decode_step)
@@ -193,4 +266,17 @@ def test_no_compiles_after_warmup(models, speculative):
     _run(engine, REQUESTS + long, arrive_every=1, cancel=(1, 2))
     assert [g._cache_size() for g in graphs] == before
     if speculative:
-        assert set(engine.steps_by_k) == {2, 3}
+        assert set(engine.steps_by_k) == {0, 2, 3}
+
+
+def test_no_compiles_after_warmup_adaptive(models):
+    params, dparams = models
+    gen = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, max_seq_len=MAX_SEQ)
+    graphs = (M.prefill, sample_jit, put_row, V.verify, D.parallel_draft, D.drafter_prefill)
+    engine = SlotEngine(gen, 4, adaptive=True)
+    engine.warmup()
+    assert engine.policy.steps == 0  # the warm-up's compile times are not measurements
+    before = [g._cache_size() for g in graphs]
+    long = [([1, 2] * 20, 20, 0.0, 0, 1.0, 0, []), ([3] * 2, 61, 0.8, 2, 0.9, 5, [])]
+    _run(engine, REQUESTS + long, arrive_every=1, cancel=(1, 2))
+    assert [g._cache_size() for g in graphs] == before

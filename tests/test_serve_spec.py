@@ -107,7 +107,13 @@ def test_sagemaker_defaults(tmp_path, monkeypatch):
         "smollm2",
         str(shipped_drafter("smollm2-peagle")),  # the embedded target is speculated by default
     )
-    assert cli.resolve(cli.build_parser().parse_args(["--k", "0"])).drafter is None
+    assert args.adaptive_k and args.load_k == []  # the step length follows the measured throughput
+    plain = cli.resolve(cli.build_parser().parse_args(["--k", "0"]))
+    assert plain.drafter is None and not plain.adaptive_k
+    fixed = cli.resolve(cli.build_parser().parse_args(["--load-k", "none"]))
+    assert not fixed.adaptive_k and fixed.load_k == []
+    pairs = cli.resolve(cli.build_parser().parse_args(["--load-k", "4:2,12:0"]))
+    assert not pairs.adaptive_k and pairs.load_k == [(4, 2), (12, 0)]
     other = cli.resolve(cli.build_parser().parse_args(["--model", str(tmp_path)]))
     assert other.drafter is None  # no shipped drafter for other targets
 
@@ -123,6 +129,7 @@ def test_sagemaker_defaults(tmp_path, monkeypatch):
         (["--port", "70000"], "--port"),
         (["--model", "/nonexistent", "--load-k", "4:2"], "--drafter"),
         (["--drafter", "/nonexistent", "--load-k", "4"], "N:K pairs"),
+        (["--drafter", "/nonexistent", "--load-k", "fast"], "'auto', 'none'"),
         (["--model", "/nonexistent"], "/nonexistent"),
     ],
 )

@@ -2,13 +2,15 @@
 concurrency levels, speculation off and on, in one run.
 
 For each mode (plain; speculative with ``--drafter``, by default the shipped drafter of the embedded
-SmolLM2, or a random P-EAGLE drafter of SmolLM2's size for other models; speculative with a smaller K under
-load, ``--load-k``) the benchmark starts the server with the same model
-and flags, waits until its graphs are compiled, and at each concurrency level c runs ``--rounds`` x c
-streamed greedy completions from c client threads (each client sends its next request when the previous
-one ends). Per request it records the time to the first token (TTFT) and the time per output token after
-it (TPOT); per level the output-token throughput (generated tokens / wall time). Prints a markdown table
-and, with ``--json FILE``, the raw numbers.
+SmolLM2, or a random P-EAGLE drafter of SmolLM2's size for other models, drafting K tokens at every step
+(``--load-k none``); the server's default, which picks plain, 1 or K drafts per step by measured throughput
+(``--load-k auto``); optionally another ``--load-k`` policy) the benchmark starts a server with the same
+model and flags and waits until its graphs are compiled; all servers stay up, and at each concurrency level c
+each mode in turn runs ``--rounds`` x c streamed greedy completions from c client threads (each client sends
+its next request when the previous one ends). Per request it records the time to the first token (TTFT) and
+the time per output token after it (TPOT); per level the output-token throughput (generated tokens / wall
+time) and the engine steps at each draft length K' (from /metrics). Prints a markdown table and, with
+``--json FILE``, the raw numbers.
 
 A random drafter accepts almost nothing, so its numbers show the cost of speculation without its gain:
 they are a floor, not what a trained drafter reaches. The acceptance length each speculative server
@@ -101,10 +103,17 @@ def run_level(base: str, model: str, concurrency: int, rounds: int, max_tokens: 
     results: list[dict] = []
     lock = threading.Lock()
 
+    errors: list[str] = []
+
     def worker(i):
         for r in range(rounds):
             prompt = f"{PROMPTS[(i + r) % len(PROMPTS)]} (#{i}.{r})"
-            out = one_request(client, model, prompt, max_tokens)
+            try:
+                out = one_request(client, model, prompt, max_tokens)
+            except Exception as err:  # reported below: a failed request makes the level meaningless
+                with lock:
+                    errors.append(f"{type(err).__name__}: {err}")
+                return
             with lock:
                 results.append(out)
 
@@ -115,6 +124,8 @@ def run_level(base: str, model: str, concurrency: int, rounds: int, max_tokens: 
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"{len(errors)} request(s) failed at concurrency {concurrency}; first: {errors[0]}")
     tokens = sum(r["tokens"] for r in results)
     tpots = [r["tpot"] for r in results if r["tpot"] == r["tpot"]]
     ttfts = [r["ttft"] for r in results]
@@ -131,14 +142,19 @@ def run_level(base: str, model: str, concurrency: int, rounds: int, max_tokens: 
     }
 
 
-def scrape_acceptance(base: str) -> float | None:
+def scrape(base: str) -> dict[str, float]:
+    """The server's /metrics as {sample name with labels: value}."""
     import urllib.request
 
     with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith("peagle_acceptance_length "):
-                return float(line.split()[1])
-    return None
+        lines = r.read().decode().splitlines()
+    return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in lines if line and line[0] != "#")}
+
+
+def steps_by_k(metrics: dict[str, float]) -> dict[int, float]:
+    """Engine steps at each draft length K' (0: plain) so far."""
+    prefix = 'peagle_speculative_steps_total{k="'
+    return {int(name[len(prefix) : -2]): v for name, v in metrics.items() if name.startswith(prefix)}
 
 
 def main(argv=None) -> int:
@@ -150,7 +166,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("--k", type=int, default=3, help="draft tokens per step in the speculative mode (default 3)")
     p.add_argument(
-        "--load-k", default="4:1", help="also run speculation with this --load-k policy ('' to skip; default 4:1)"
+        "--load-k", default="", help="also run speculation with this --load-k policy, e.g. 4:1,12:0 (default: none)"
     )
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts (default 1,4,16)")
     p.add_argument("--rounds", type=int, default=2, help="requests per client per level (default 2)")
@@ -178,35 +194,60 @@ def main(argv=None) -> int:
         common += ["--platform", args.platform]
     model = "smollm2" if args.model == "smollm2" else Path(args.model).resolve().name
     spec = [*common, "--drafter", drafter, "--k", str(args.k)]
-    modes = {"plain": [*common, "--k", "0"], f"speculative K={args.k}": spec}
+    modes = {
+        "plain": [*common, "--k", "0"],
+        f"speculative K={args.k}": [*spec, "--load-k", "none"],
+        f"speculative K={args.k}, --load-k auto (default)": [*spec, "--load-k", "auto"],
+    }
     if args.load_k:
         modes[f"speculative K={args.k}, --load-k {args.load_k}"] = [*spec, "--load-k", args.load_k]
-    out = {"config": vars(args), "modes": {}}
-    logdir = Path(tempfile.mkdtemp(prefix="peagle-bench-serve-"))
-    for name, flags in modes.items():
-        proc, port, ready_s = start_server(flags, logdir / f"mode{len(out['modes'])}.log")
-        base = f"http://127.0.0.1:{port}"
-        try:
-            run_level(base, model, 1, 1, 4)  # one short request first: the client and server paths are warm
-            rows = []
-            for c in levels:
-                rows.append(run_level(base, model, c, args.rounds, args.max_tokens))
-                print(f"{name} c={c}: {rows[-1]['throughput_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
-            out["modes"][name] = {"ready_s": ready_s, "levels": rows, "acceptance_length": scrape_acceptance(base)}
-        finally:
-            proc.terminate()
-            proc.wait(30)
+    try:
+        out = run_modes(modes, levels, model, args)
+    except (RuntimeError, TimeoutError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     print(table(out))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0
 
 
+def run_modes(modes: dict[str, list[str]], levels: list[int], model: str, args) -> dict:
+    """Start one server per mode (all alive at once), then at each concurrency level measure the modes one
+    after the other, so that a drift in the machine's speed hits every mode alike."""
+    out = {"config": vars(args), "modes": {name: {"levels": []} for name in modes}}
+    logdir = Path(tempfile.mkdtemp(prefix="peagle-bench-serve-"))
+    servers = {}
+    try:
+        for i, (name, flags) in enumerate(modes.items()):
+            proc, port, ready_s = start_server(flags, logdir / f"mode{i}.log")
+            servers[name] = (proc, f"http://127.0.0.1:{port}")
+            out["modes"][name]["ready_s"] = ready_s
+            run_level(servers[name][1], model, 1, 1, 4)  # one short request first: client and server are warm
+        for c in levels:
+            for name, (_, base) in servers.items():
+                before = steps_by_k(scrape(base))
+                row = run_level(base, model, c, args.rounds, args.max_tokens)
+                after = steps_by_k(scrape(base))
+                row["steps_by_k"] = {k: n - before.get(k, 0) for k, n in sorted(after.items())}
+                out["modes"][name]["levels"].append(row)
+                print(f"{name} c={c}: {row['throughput_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+        for name, (_, base) in servers.items():
+            out["modes"][name]["acceptance_length"] = scrape(base).get("peagle_acceptance_length")
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+        for proc, _ in servers.values():
+            proc.wait(30)
+    return out
+
+
 def table(out: dict) -> str:
     names = list(out["modes"])
     lines = [
-        "| mode | clients | requests | throughput tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | vs plain |",
-        "|---|---|---|---|---|---|---|",
+        "| mode | clients | requests | throughput tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | vs plain "
+        "| steps by K' |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     plain = {r["concurrency"]: r["throughput_tok_s"] for r in out["modes"][names[0]]["levels"]}
     for name in names:
@@ -215,13 +256,19 @@ def table(out: dict) -> str:
                 f"| {name} | {r['concurrency']} | {r['requests']} | {r['throughput_tok_s']:.1f} | "
                 f"{1e3 * r['ttft_p50_s']:.0f} / {1e3 * r['ttft_p99_s']:.0f} | "
                 f"{1e3 * r['tpot_p50_s']:.0f} / {1e3 * r['tpot_p99_s']:.0f} | "
-                f"{r['throughput_tok_s'] / plain[r['concurrency']]:.2f}x |"
+                f"{r['throughput_tok_s'] / plain[r['concurrency']]:.2f}x | {_share(r.get('steps_by_k') or {})} |"
             )
     for name in names[1:]:
         acc = out["modes"][name]["acceptance_length"]
         if acc is not None:
-            lines.append(f"\n{name}: acceptance length {acc:.3f} tokens per target forward")
+            lines.append(f"\n{name}: acceptance length {acc:.3f} tokens per speculative target forward")
     return "\n".join(lines)
+
+
+def _share(steps: dict) -> str:
+    """``{0: 90, 3: 10}`` -> ``0: 90%, 3: 10%`` (the steps at each draft length K'; empty for plain)."""
+    total = sum(steps.values())
+    return ", ".join(f"{k}: {100 * n / total:.0f}%" for k, n in sorted(steps.items()) if n) if total else ""
 
 
 if __name__ == "__main__":

@@ -52,8 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fused", action="store_true", help="draft and verify in one graph per step")
     p.add_argument(
         "--load-k",
-        help="speculate less under load: N:K pairs, e.g. '4:2,12:1' = with at least 4 active requests draft "
-        "and verify a chain of 2, with 12 a chain of 1 (default: always --k / --tree)",
+        help="how many tokens a step drafts: 'auto' (default) picks, per step, a plain step, a chain of 1 or "
+        "--k / --tree, whichever it measured to give the most tokens per second at the current load; 'none' "
+        "always drafts --k / --tree; or N:K pairs, e.g. '4:2,12:0' = with at least 4 active requests draft "
+        "and verify a chain of 2, with 12 decode plainly (K 0)",
     )
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; --sagemaker: 0.0.0.0)")
     p.add_argument("--port", type=int, default=None, help="port (default 8000; --sagemaker: 8080)")
@@ -109,7 +111,7 @@ def resolve(args) -> argparse.Namespace:
     args.port = args.port if args.port is not None else (SAGEMAKER_PORT if sagemaker else 8000)
     flags = {"--tree": args.tree, "--sequential": args.sequential, "--fused": args.fused, "--load-k": args.load_k}
     check_speculation_flags(args.drafter or DEFAULT_FOR_MODEL.get(args.model), args.k, flags)
-    args.load_k = parse_load_k(args.load_k)
+    args.load_k, adaptive = parse_load_k(args.load_k)
     for flag, value, low in (
         ("--max-batch", args.max_batch, 1),
         ("--max-seq-len", args.max_seq_len, 2),
@@ -120,20 +122,24 @@ def resolve(args) -> argparse.Namespace:
     if not 0 <= args.port < 65536:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
     args.drafter = resolve_drafter(args.model, args.drafter, args.k)
+    args.adaptive_k = adaptive and args.drafter is not None
     return args
 
 
-def parse_load_k(spec: str | None) -> list[tuple[int, int]]:
-    """``'4:2,12:1'`` -> [(4, 2), (12, 1)]."""
-    if not spec:
-        return []
+def parse_load_k(spec: str | None) -> tuple[list[tuple[int, int]], bool]:
+    """``--load-k`` -> (N:K pairs, adaptive): ``'4:2,12:0'`` -> ([(4, 2), (12, 0)], False); None or
+    ``'auto'`` -> ([], True); ``'none'`` -> ([], False)."""
+    if spec is None or spec.strip() == "auto":
+        return [], True
+    if spec.strip() == "none":
+        return [], False
     try:
         pairs = [tuple(int(x) for x in item.split(":")) for item in spec.split(",") if item.strip()]
     except ValueError:
         pairs = []
     if not pairs or any(len(p) != 2 for p in pairs):
-        raise UserError(f"--load-k {spec!r}: expected comma-separated N:K pairs, e.g. 4:2,12:1")
-    return pairs
+        raise UserError(f"--load-k {spec!r}: expected 'auto', 'none' or comma-separated N:K pairs, e.g. 4:2,12:0")
+    return pairs, False
 
 
 def load(args):
@@ -170,7 +176,7 @@ def main(argv=None) -> int:
         gen, tokenizer, stops, name = load(args)
         from peagle_jax.serve.slots import SlotEngine
 
-        engine = SlotEngine(gen, args.max_batch, load_k=args.load_k)
+        engine = SlotEngine(gen, args.max_batch, load_k=args.load_k, adaptive=args.adaptive_k)
     except (UserError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -205,6 +211,7 @@ def serve(args, engine, tokenizer, stops, name) -> int:
             log.error("warm-up failed; /health stays 503")
             return
         print(f"ready: serving {name!r} on http://{args.host}:{args.port} (warm-up {worker.warmup_s:.1f} s)")
+        print(f"decoding: {engine.describe()}")
         print(curl_example(args.host, args.port, name), flush=True)
 
     @contextlib.asynccontextmanager

@@ -109,7 +109,7 @@ class Metrics:
             family(
                 "speculative_steps_total",
                 "counter",
-                "Engine steps by the number of tokens drafted (smaller under load with --load-k).",
+                "Engine steps by the number of tokens drafted (0: a plain step; chosen by --load-k).",
                 [("", {"k": str(k)}, n) for k, n in sorted(dict(self.steps_by_k or {}).items())],
             )
             family(

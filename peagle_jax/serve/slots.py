@@ -32,6 +32,7 @@ from peagle_jax import model
 from peagle_jax.drafter.model import new_drafter_cache
 from peagle_jax.engine import Generator, RequestError, decode_step, sample_jit
 from peagle_jax.sampling import SamplingParams, check_sampling_args
+from peagle_jax.serve.policy import AdaptiveK
 from peagle_jax.speculative import SpecState, SpeculativeGenerator
 from peagle_jax.verify import Tree, chain
 
@@ -83,20 +84,30 @@ class SlotEngine:
     thread, :mod:`peagle_jax.serve.worker`).
     """
 
-    def __init__(self, gen: Generator, max_batch: int, *, load_k: Sequence[tuple[int, int]] = ()):
+    def __init__(
+        self, gen: Generator, max_batch: int, *, load_k: Sequence[tuple[int, int]] = (), adaptive: bool = False
+    ):
+        """``load_k``: (n, K') pairs, with at least n active slots a step drafts and verifies a chain of K'
+        (0: a plain step). ``adaptive``: each step picks plain, a chain of 1 or the generator's own tree by
+        measured throughput (:class:`peagle_jax.serve.policy.AdaptiveK`); excludes ``load_k``."""
         if max_batch < 1:
             raise RequestError(f"max_batch must be >= 1, got {max_batch}")
         self.gen, self.B = gen, max_batch
         self.speculative = isinstance(gen, SpeculativeGenerator)
-        # Under load, speculate less: with at least n active slots a step drafts and verifies a chain of k.
         self.load_trees: list[tuple[int, Tree]] = []
-        if load_k and not self.speculative:
+        if (load_k or adaptive) and not self.speculative:
             raise RequestError("a smaller K under load needs a drafter")
+        if load_k and adaptive:
+            raise RequestError("choose either fixed load thresholds or the adaptive K, not both")
         for n, k in sorted(load_k):
-            if n < 1 or not 1 <= k <= gen.K:
-                raise RequestError(f"load K {n}:{k}: need at least 1 active slot and 1 <= K' <= K = {gen.K}")
+            if n < 1 or not 0 <= k <= gen.K:
+                raise RequestError(f"load K {n}:{k}: need at least 1 active slot and 0 <= K' <= K = {gen.K}")
             self.load_trees.append((n, chain(k)))
-        self.steps_by_k: dict[int, int] = {}  # speculative steps run at each K
+        self.policy = None
+        if adaptive:
+            self.choices = {0: chain(0), 1: chain(1), gen.K: gen.tree}  # K' -> its tree
+            self.policy = AdaptiveK(sorted(self.choices))
+        self.steps_by_k: dict[int, int] = {}  # steps run at each K' (0: plain steps)
         self.slots: list[_Slot | None] = [None] * max_batch
         B = max_batch
         self.temperature = np.zeros(B, np.float32)
@@ -108,6 +119,19 @@ class SlotEngine:
         self.row_buckets = tuple(sorted({min(1 << i, B) for i in range(B.bit_length() + 1)}))
         self._device_params = {}
         self.reset()
+
+    def describe(self) -> str:
+        """One line on how steps decode: for the server's start-up message."""
+        if not self.speculative:
+            return "plain (no drafter)"
+        K = self.gen.K
+        if self.policy is not None:
+            ks = "/".join(str(k) for k in self.policy.candidates)
+            return f"speculative, each step drafts {ks} tokens, whichever was measured fastest (--load-k auto)"
+        if self.load_trees:
+            rules = ", ".join(f"{t.depth} from {n} active" for n, t in self.load_trees)
+            return f"speculative, {K} drafted tokens per step ({rules}; 0 = plain)"
+        return f"speculative, {K} drafted tokens per step"
 
     def caches_lost(self) -> bool:
         """Whether a failed call consumed (donated) the caches, so that only :meth:`reset` can go on."""
@@ -253,19 +277,26 @@ class SlotEngine:
         greedy_only = not bool(np.any(self.temperature[live] > 0))
         gen = self.gen
         if self.speculative:
-            tree = tree or self.tree_for(int(live.sum()))
+            choose = self.policy is not None and tree is None
+            if choose:
+                tree = self.choices[self.policy.choose(R)]
+            tree = tree or self.tree_for(int(live.sum())) or gen.tree
+            t0 = time.perf_counter()
             s = self.state
+            if tree.depth == 0:
+                self.dcache = gen.make_room(self.dcache, s, R)
             rows = SpecState(s.ctx_tokens[:R], s.ctx_aux[:R], s.ctx_count[:R], s.ctx_start[:R], s.q[:R], s.root[:R])
             tokens_R, count_R, aux_R, self.cache, self.dcache = gen.step(
                 self.cache, self.dcache, rows, seeds, sampling, greedy_only=greedy_only, live=live[:R], tree=tree
             )
-            k = (tree or gen.tree).depth
-            self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
+            if choose:
+                self.policy.record(R, tree.depth, time.perf_counter() - t0, count_R[live[:R]])
+            self.steps_by_k[tree.depth] = self.steps_by_k.get(tree.depth, 0) + 1
             tokens = np.zeros((self.B, tokens_R.shape[1]), np.int32)
             count = np.zeros(self.B, np.int32)
             tokens[:R], count[:R] = tokens_R, count_R
             aux = aux_R if R == self.B else jnp.pad(aux_R, ((0, self.B - R), (0, 0), (0, 0)))
-            s.advance(tokens, count, aux, live)
+            s.advance(tokens, count, aux, live, plain=tree.depth == 0)
             gained = [tokens[b, : int(count[b])] for b in range(self.B)]
         else:
             nxt_R, self.cache = decode_step(
@@ -299,6 +330,8 @@ class SlotEngine:
         lengths = sorted({min(start + T, gen.max_seq_len - 1) for start in starts for T in gen.prefill_buckets})
         windows = gen.window_buckets
         trees = [None] + [t for _, t in self.load_trees]
+        if self.policy is not None:
+            trees = list(self.choices.values())
         # Each prefill bucket once (greedy); the first-token sampler's sampling variant once (it does not
         # depend on the prompt length).
         admits = [(L, 0.0) for L in lengths] + [(lengths[0], 1.0)]
@@ -321,6 +354,8 @@ class SlotEngine:
                             progress(done, total)
         if self.speculative:
             gen.spec = type(gen.spec)(accepted_per_position=[0] * gen.K)
+        if self.policy is not None:  # warmup steps compile: their times and acceptance mean nothing
+            self.policy = AdaptiveK(self.policy.candidates)
         self.steps_by_k.clear()
         self.reset()
         return time.perf_counter() - t0
@@ -337,12 +372,14 @@ class SlotEngine:
             self.positions[b] = w - 1
             self.step()
         else:
-            s, size = self.state, (tree or gen.tree).size
+            s, tree = self.state, tree or gen.tree
             lower = max((x for x in gen.window_buckets if x < w), default=0)
             # q at the top and the bottom of the bucket, ctx_start up to K + 1 behind q: every draft window
-            # a step with verify window w can meet (the fused graph compiles per pair).
-            for q in sorted({max(w - size - 1, 1), max(lower - size, 1)}):
+            # a step with verify window w can meet (the fused graph compiles per pair). A plain step runs
+            # with a full context, so that it also compiles make_room's drafter write for this window.
+            for q in sorted({max(w - tree.size - 1, 1), max(lower - tree.size, 1)}):
                 for start in sorted({max(q - 1 - gen.K, 0), q - 1}):
-                    s.q[b], s.ctx_start[b], s.ctx_count[b] = q, start, 1
+                    count = gen.K + 1 if tree.depth == 0 else 1
+                    s.q[b], s.ctx_start[b], s.ctx_count[b] = q, max(q - count, 0) if tree.depth == 0 else start, count
                     self.step(tree)
         self._release(b)

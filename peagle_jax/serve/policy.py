@@ -1,0 +1,90 @@
+"""Adaptive draft length: per step, the K' (0 = a plain step) that is expected to emit the most tokens per
+second, from the step times and the acceptance measured while serving.
+
+Speculation pays only where the acceptance length exceeds the cost of a speculative step over a plain one,
+and both move: the cost grows with the busy rows (a verify of B x (K'+1) tokens is compute-bound sooner than
+a decode of B tokens), the acceptance with the traffic. The policy keeps, per row bucket R and candidate K':
+
+- the step time, an exponential moving average of the measured seconds per step (the first sample of each
+  (R, K') is dropped: it may include a compilation or a cold cache);
+- per draft depth d, the acceptance rate given that depth d - 1 was accepted, ``p_d`` (decayed counts
+  with a weak 0.5 prior), shared by every K' since a parallel draft's depth d does not depend on K'.
+
+It chooses ``argmax_K' E(K') / time(R, K')`` with ``E(K') = 1 + sum_{d <= K'} p_1 ... p_d`` tokens per row
+and step. Until every candidate has enough timed steps at a row bucket it tries them in turn, and every
+``explore_every`` steps it runs the longest candidate, so that the acceptance estimate stays current while
+plain steps win. Outputs never depend on the choice: every K' commits exactly the tokens of plain decoding
+(greedy and sampled alike, see :mod:`peagle_jax.verify`), so the policy changes only the speed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class AdaptiveK:
+    def __init__(
+        self,
+        candidates: Sequence[int],
+        *,
+        explore_every: int = 32,
+        min_samples: int = 2,
+        decay: float = 0.99,
+        smoothing: float = 0.2,
+    ):
+        if not candidates or min(candidates) < 0:
+            raise ValueError(f"candidates must be draft lengths >= 0, got {candidates}")
+        self.candidates = tuple(sorted(set(candidates)))
+        self.K = max(self.candidates)
+        self.explore_every, self.min_samples = explore_every, min_samples
+        self.decay, self.smoothing = decay, smoothing
+        self.tries = np.zeros(self.K)  # per depth: rows that reached it (every earlier depth accepted)
+        self.accepts = np.zeros(self.K)  # ... and accepted it
+        self.seen: dict[tuple[int, int], int] = {}  # (rows, K') -> steps recorded
+        self.step_s: dict[tuple[int, int], float] = {}  # (rows, K') -> smoothed seconds per step
+        self.steps = 0
+
+    def acceptance(self) -> np.ndarray:
+        """``p_d`` per depth d = 1..K: the rate of accepting depth d having accepted d - 1."""
+        return (self.accepts + 0.5) / (self.tries + 1.0)
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a row emits per step drafting ``k``: 1 + the expected accepted prefix."""
+        return 1.0 + float(np.cumprod(self.acceptance()[:k]).sum())
+
+    def choose(self, rows: int) -> int:
+        """The draft length of the next step over ``rows`` rows."""
+        self.steps += 1
+        for k in self.candidates:
+            if self.seen.get((rows, k), 0) < self.min_samples + 1:  # + 1: the dropped first sample
+                return k
+        if self.steps % self.explore_every == 0:
+            return self.K
+        return max(self.candidates, key=lambda k: self.expected_tokens(k) / self.step_s[(rows, k)])
+
+    def record(self, rows: int, k: int, seconds: float, counts: Sequence[int] = ()) -> None:
+        """A step of ``rows`` rows drafting ``k`` took ``seconds``; ``counts``: tokens each live row gained
+        (1 + its accepted drafts; ignored for a plain step)."""
+        key = (rows, k)
+        n = self.seen.get(key, 0)
+        self.seen[key] = n + 1
+        if n == 1:
+            self.step_s[key] = seconds
+        elif n > 1:
+            self.step_s[key] += self.smoothing * (seconds - self.step_s[key])
+        if k and len(counts):
+            c = np.asarray(counts)[:, None]
+            d = np.arange(1, k + 1)[None, :]
+            self.tries *= self.decay
+            self.accepts *= self.decay
+            self.tries[:k] += (c >= d).sum(axis=0)  # reached depth d: the d - 1 before it accepted
+            self.accepts[:k] += (c >= d + 1).sum(axis=0)
+
+    def snapshot(self) -> dict:
+        """What the policy believes now (for logs and tests)."""
+        return {
+            "acceptance": self.acceptance().round(4).tolist(),
+            "step_ms": {f"{r}x{k}": round(s * 1e3, 3) for (r, k), s in sorted(self.step_s.items())},
+        }

@@ -1,0 +1,40 @@
+"""``python -m peagle_jax.bench.serve`` end to end on a tiny model: three servers (plain, speculative at a
+fixed K, the adaptive default), every level measured, the steps each server ran at each K' reported."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from serve_fixtures import write_tiny_drafter, write_tiny_model
+
+from peagle_jax.bench import serve as bench_serve
+
+
+@pytest.mark.slow
+def test_bench_serve_runs_every_mode_and_reports_steps_by_k(tmp_path, capsys):
+    model = write_tiny_model(tmp_path / "target")
+    drafter = write_tiny_drafter(tmp_path / "drafter", k=2)
+    out = tmp_path / "serve.json"
+    argv = ["--model", str(model), "--drafter", str(drafter), "--k", "2", "--concurrency", "1,2", "--rounds", "2"]
+    argv += ["--max-tokens", "12", "--max-seq-len", "128", "--load-k", "2:0", "--json", str(out)]
+    assert bench_serve.main(argv) == 0
+    table = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    modes = list(result["modes"])
+    auto, fixed = "speculative K=2, --load-k auto (default)", "speculative K=2, --load-k 2:0"
+    assert modes == ["plain", "speculative K=2", auto, fixed]
+    for name in modes:
+        levels = result["modes"][name]["levels"]
+        assert [r["concurrency"] for r in levels] == [1, 2]
+        assert all(r["requests"] == 2 * r["concurrency"] and r["throughput_tok_s"] > 0 for r in levels)
+        steps = [{int(k): n for k, n in r["steps_by_k"].items()} for r in levels]
+        if name == "plain":
+            assert steps == [{}, {}]
+        elif name == "speculative K=2":
+            assert all(set(s) == {2} for s in steps)
+        elif "2:0" in name:
+            assert steps[0] == {2: steps[0][2]} and steps[1].get(0, 0) > 0  # plain steps with >= 2 busy
+        else:
+            assert sum(steps[0].values()) > 0 and set(steps[0]) <= {0, 1, 2}
+    assert "| speculative K=2, --load-k auto (default) | 2 |" in table and "steps by K'" in table

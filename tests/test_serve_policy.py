@@ -1,0 +1,68 @@
+"""The adaptive draft length: it picks the K' with the most expected tokens per second from what it measured."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from peagle_jax.serve.policy import AdaptiveK
+
+
+def _drive(policy, rows, step_s, accept, steps, rng):
+    """Run ``steps`` steps: a step of K' costs ``step_s[K']``; each depth is accepted with rate ``accept``."""
+    chosen = []
+    for _ in range(steps):
+        k = policy.choose(rows)
+        counts = []
+        for _ in range(rows):
+            c = 1
+            while c <= k and rng.random() < accept:
+                c += 1
+            counts.append(c)
+        policy.record(rows, k, step_s[k], counts)
+        chosen.append(k)
+    return chosen
+
+
+@pytest.mark.parametrize(
+    "step_s,accept,best",
+    [
+        ({0: 1.0, 1: 2.0, 3: 2.6}, 0.3, 0),  # a CPU: a verify costs 2-2.6 plain steps, little is accepted
+        ({0: 1.0, 1: 1.1, 3: 1.3}, 0.8, 3),  # an accelerator: a verify costs about a plain step
+        ({0: 1.0, 1: 1.2, 3: 2.5}, 0.5, 1),  # only the short chain pays
+    ],
+)
+def test_adaptive_k_picks_the_fastest_step_length(step_s, accept, best):
+    policy = AdaptiveK([0, 1, 3], explore_every=16)
+    chosen = _drive(policy, 4, step_s, accept, 400, np.random.default_rng(0))
+    tail = chosen[100:]
+    assert max(set(tail), key=tail.count) == best
+    explored = sum(k == 3 for k in tail)
+    assert explored >= len(tail) // 16  # the longest K' keeps being measured, so the estimate stays current
+    assert abs(policy.acceptance()[0] - accept) < 0.1
+
+
+def test_adaptive_k_times_every_candidate_per_row_bucket_and_drops_the_first_sample():
+    policy = AdaptiveK([0, 2])
+    for rows in (1, 8):
+        first = []
+        for _ in range(6):
+            k = policy.choose(rows)
+            first.append(k)
+            policy.record(rows, k, 100.0 if policy.seen.get((rows, k), 0) == 0 else 1.0 + k, [1])
+        assert first == [0, 0, 0, 2, 2, 2]
+    assert policy.step_s == {(1, 0): 1.0, (1, 2): 3.0, (8, 0): 1.0, (8, 2): 3.0}  # the 100 s compile dropped
+    assert policy.snapshot()["step_ms"]["8x2"] == 3000.0
+
+
+def test_acceptance_estimate_is_conditional_per_depth():
+    policy = AdaptiveK([0, 3], decay=1.0)
+    # 10 rows: 5 accept nothing, 3 accept depth 1 only, 2 accept all three drafts.
+    policy.record(1, 3, 1.0, [1] * 5 + [2] * 3 + [4] * 2)
+    np.testing.assert_allclose(policy.tries, [10, 5, 2])
+    np.testing.assert_allclose(policy.accepts, [5, 2, 2])
+    assert policy.expected_tokens(0) == 1.0
+    p = policy.acceptance()
+    assert policy.expected_tokens(3) == pytest.approx(1 + p[0] + p[0] * p[1] + p[0] * p[1] * p[2])
+    with pytest.raises(ValueError):
+        AdaptiveK([])
