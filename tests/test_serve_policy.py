@@ -38,7 +38,12 @@ def test_adaptive_k_picks_the_fastest_step_length(step_s, accept, best):
     tail = chosen[100:]
     assert max(set(tail), key=tail.count) == best
     explored = sum(k == 3 for k in tail)
-    assert explored >= len(tail) // 16  # the longest K' keeps being measured, so the estimate stays current
+    # The longest K' keeps being measured (so the estimate stays current), less often the slower it is.
+    gap = min(policy.expected_tokens(best) / step_s[best] / (policy.expected_tokens(3) / step_s[3]), 8.0)
+    if best == 3:
+        assert explored == len(tail)
+    else:
+        assert len(tail) / (16 * gap) - 2 <= explored <= len(tail) / (16 * gap) + 2
     assert abs(policy.acceptance()[0] - accept) < 0.1
 
 

@@ -11,9 +11,9 @@ a decode of B tokens), the acceptance with the traffic. The policy keeps, per ro
   with a weak 0.5 prior), shared by every K' since a parallel draft's depth d does not depend on K'.
 
 It chooses ``argmax_K' E(K') / time(R, K')`` with ``E(K') = 1 + sum_{d <= K'} p_1 ... p_d`` tokens per row
-and step. Until every candidate has enough timed steps at a row bucket it tries them in turn, and every
-``explore_every`` steps it runs the longest candidate, so that the acceptance estimate stays current while
-plain steps win. Outputs never depend on the choice: every K' commits exactly the tokens of plain decoding
+and step. Until every candidate has enough timed steps at a row bucket it tries them in turn; while a
+shorter K' wins it still runs the longest one every ``explore_every`` steps (times how much slower that one
+is, at most 8x), so that the acceptance estimate stays current at a small, bounded cost. Outputs never depend on the choice: every K' commits exactly the tokens of plain decoding
 (greedy and sampled alike, see :mod:`peagle_jax.verify`), so the policy changes only the speed.
 """
 
@@ -45,6 +45,7 @@ class AdaptiveK:
         self.seen: dict[tuple[int, int], int] = {}  # (rows, K') -> steps recorded
         self.step_s: dict[tuple[int, int], float] = {}  # (rows, K') -> smoothed seconds per step
         self.steps = 0
+        self.explored = 0  # the step that last ran the longest K' to refresh the acceptance estimate
 
     def acceptance(self) -> np.ndarray:
         """``p_d`` per depth d = 1..K: the rate of accepting depth d having accepted d - 1."""
@@ -60,9 +61,13 @@ class AdaptiveK:
         for k in self.candidates:
             if self.seen.get((rows, k), 0) < self.min_samples + 1:  # + 1: the dropped first sample
                 return k
-        if self.steps % self.explore_every == 0:
+        score = {k: self.expected_tokens(k) / self.step_s[(rows, k)] for k in self.candidates}
+        best = max(self.candidates, key=score.get)
+        gap = min(score[best] / max(score[self.K], 1e-12), 8.0)  # how much slower exploring is
+        if best != self.K and self.steps - self.explored >= self.explore_every * gap:
+            self.explored = self.steps
             return self.K
-        return max(self.candidates, key=lambda k: self.expected_tokens(k) / self.step_s[(rows, k)])
+        return best
 
     def record(self, rows: int, k: int, seconds: float, counts: Sequence[int] = ()) -> None:
         """A step of ``rows`` rows drafting ``k`` took ``seconds``; ``counts``: tokens each live row gained
