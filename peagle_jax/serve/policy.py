@@ -13,8 +13,9 @@ a decode of B tokens), the acceptance with the traffic. The policy keeps, per ro
 It chooses ``argmax_K' E(K') / time(R, K')`` with ``E(K') = 1 + sum_{d <= K'} p_1 ... p_d`` tokens per row
 and step. Until every candidate has enough timed steps at a row bucket it tries them in turn; while a
 shorter K' wins it still runs the longest one every ``explore_every`` steps (times how much slower that one
-is, at most 8x), so that the acceptance estimate stays current at a small, bounded cost. Outputs never depend on the choice: every K' commits exactly the tokens of plain decoding
-(greedy and sampled alike, see :mod:`peagle_jax.verify`), so the policy changes only the speed.
+is, at most 8x), so that the acceptance estimate stays current at a small, bounded cost. Outputs never
+depend on the choice: every K' commits exactly the tokens of plain decoding (greedy and sampled alike, see
+:mod:`peagle_jax.verify`), so the policy changes only the speed.
 """
 
 from __future__ import annotations
