@@ -97,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--sequential", action="store_true", help="EAGLE-3 drafting: K sequential drafter passes instead of one"
     )
     spec.add_argument("--fused", action="store_true", help="draft and verify in one graph (one launch per step)")
+    spec.add_argument(
+        "--k-policy",
+        choices=["auto", "fixed"],
+        help="auto (default): each step drafts 0 (a plain step), 1 or K tokens, whichever has been measured "
+        "to give the most tokens per second so far (the output is the same); fixed: K (or --tree) every step",
+    )
     p.add_argument(
         "--json",
         action="store_true",
@@ -165,6 +171,7 @@ def speculative_generator(args, model_dir, mesh=None):
         fused=args.fused,
         max_seq_len=args.max_seq_len,
         mesh=mesh,
+        adaptive=args.k_policy != "fixed",
     )
 
 
@@ -185,7 +192,7 @@ def run(args) -> dict:
     from peagle_jax.sampling import check_sampling_args
 
     check_sampling_args(args.temperature, args.top_k, args.top_p)
-    flags = {"--tree": args.tree, "--sequential": args.sequential, "--fused": args.fused}
+    flags = {"--tree": args.tree, "--sequential": args.sequential, "--fused": args.fused, "--k-policy": args.k_policy}
     check_speculation_flags(args.drafter or DEFAULT_FOR_MODEL.get(args.model), args.k, flags)
     if args.max_seq_len < 2:
         raise UserError(f"--max-seq-len must be >= 2, got {args.max_seq_len}")
@@ -243,6 +250,7 @@ def run(args) -> dict:
             acceptance_length=round(gen.spec.acceptance_length, 3),
             accepted_per_position=gen.spec.accepted_per_position,
             target_forwards=gen.spec.target_forwards,
+            plain_steps=gen.spec.plain_forwards,
         )
     if not args.json and tokenizer is None:
         print(",".join(map(str, out)))

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from peagle_jax.adaptive import AdaptiveK, step_trees
 from peagle_jax.config import ModelConfig
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.draft import drafter_prefill, fused_mask_hidden, parallel_draft, sequential_draft
@@ -174,10 +175,12 @@ class SpeculativeGenerator(Generator):
         fused: bool = False,
         max_seq_len: int = 2048,
         shard_drafter: bool = False,
+        adaptive: bool = False,
         **kwargs,
     ):
         """With ``mesh`` (tensor parallelism) the drafter is replicated on it, or sharded by the target's
-        rules when ``shard_drafter``."""
+        rules when ``shard_drafter``. ``adaptive``: each step of :meth:`stream` picks a plain step, a chain of
+        1 or ``tree`` by measured throughput (:class:`peagle_jax.adaptive.AdaptiveK`); outputs are the same."""
         tree = tree or chain(k or dcfg.speculative_tokens)
         if k is not None and tree.depth != k:
             raise RequestError(f"--tree uses depth {tree.depth} but --k is {k}")
@@ -214,6 +217,8 @@ class SpeculativeGenerator(Generator):
         self.mask_g = None if sequential else fused_mask_hidden(dparams, cfg=dcfg)
         self.embed = None if dcfg.own_embedding else params["embed_tokens"]
         self.spec = SpecStats(accepted_per_position=[0] * self.K)
+        self.choices = step_trees(tree) if adaptive else None
+        self.policy = AdaptiveK(sorted(self.choices)) if adaptive else None
 
     def _draft_window(self, start) -> int:
         return self.window(int(start.max()) + 2 * self.K + 1)
@@ -410,15 +415,22 @@ class SpeculativeGenerator(Generator):
         yield gained
         while not done.all():
             live = ~done
+            tree, t1 = None, time.perf_counter()
+            if self.policy is not None:
+                tree = self.choices[self.policy.choose(B)]
+                if tree.depth == 0:
+                    dcache = self.make_room(dcache, state, B)
             tokens, count, aux, cache, dcache = self.step(
-                cache, dcache, state, seeds, sampling, greedy_only=greedy_only, live=live
+                cache, dcache, state, seeds, sampling, greedy_only=greedy_only, live=live, tree=tree
             )
+            if self.policy is not None:
+                self.policy.record(B, tree.depth, time.perf_counter() - t1, count[live])
             t2 = time.perf_counter()
             gained = [[] for _ in range(n)]
             for b in range(n):
                 if live[b]:
                     self._emit(b, tokens[b, : int(count[b])].tolist(), gained, produced, done, stops, max_new_tokens)
-            state.advance(tokens, count, aux, live)
+            state.advance(tokens, count, aux, live, plain=tree is not None and tree.depth == 0)
             self.spec.host_s += time.perf_counter() - t2
             yield gained
 
@@ -435,6 +447,8 @@ class SpeculativeGenerator(Generator):
         )
         self._warm_windows(batch, prompt_len, max_new_tokens, greedy_only)
         self.spec = SpecStats(accepted_per_position=[0] * self.K)
+        if self.policy is not None:  # the warm-up's steps compile: their times are not measurements
+            self.policy = AdaptiveK(self.policy.candidates)
         return time.perf_counter() - t0
 
     def _warm_windows(self, batch: int, prompt_len: int, max_new_tokens: int, greedy_only: bool) -> None:

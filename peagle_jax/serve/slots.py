@@ -29,10 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from peagle_jax import model
+from peagle_jax.adaptive import AdaptiveK, step_trees
 from peagle_jax.drafter.model import new_drafter_cache
 from peagle_jax.engine import Generator, RequestError, decode_step, sample_jit
 from peagle_jax.sampling import SamplingParams, check_sampling_args
-from peagle_jax.serve.policy import AdaptiveK
 from peagle_jax.speculative import SpecState, SpeculativeGenerator
 from peagle_jax.verify import Tree, chain
 
@@ -89,7 +89,7 @@ class SlotEngine:
     ):
         """``load_k``: (n, K') pairs, with at least n active slots a step drafts and verifies a chain of K'
         (0: a plain step). ``adaptive``: each step picks plain, a chain of 1 or the generator's own tree by
-        measured throughput (:class:`peagle_jax.serve.policy.AdaptiveK`); excludes ``load_k``."""
+        measured throughput (:class:`peagle_jax.adaptive.AdaptiveK`); excludes ``load_k``."""
         if max_batch < 1:
             raise RequestError(f"max_batch must be >= 1, got {max_batch}")
         self.gen, self.B = gen, max_batch
@@ -105,7 +105,7 @@ class SlotEngine:
             self.load_trees.append((n, chain(k)))
         self.policy = None
         if adaptive:
-            self.choices = {0: chain(0), 1: chain(1), gen.K: gen.tree}  # K' -> its tree
+            self.choices = step_trees(gen.tree)  # K' -> its tree
             self.policy = AdaptiveK(sorted(self.choices))
         self.steps_by_k: dict[int, int] = {}  # steps run at each K' (0: plain steps)
         self.slots: list[_Slot | None] = [None] * max_batch

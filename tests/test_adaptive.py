@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from peagle_jax.serve.policy import AdaptiveK
+from peagle_jax.adaptive import AdaptiveK
 
 
 def _drive(policy, rows, step_s, accept, steps, rng):
@@ -71,3 +71,27 @@ def test_acceptance_estimate_is_conditional_per_depth():
     assert policy.expected_tokens(3) == pytest.approx(1 + p[0] + p[0] * p[1] + p[0] * p[1] * p[2])
     with pytest.raises(ValueError):
         AdaptiveK([])
+
+
+def test_adaptive_generator_stream_equals_plain_decoding():
+    """``SpeculativeGenerator(adaptive=True)`` (what ``generate`` runs by default): greedy and sampled outputs
+    of a batch equal plain decoding, while its steps mix plain steps and drafts."""
+    import jax
+    from test_serve_slots import CFG, DCFG, MAX_SEQ, _scaled
+
+    from peagle_jax import model as M
+    from peagle_jax.drafter.model import init_drafter_params
+    from peagle_jax.engine import Generator
+    from peagle_jax.speculative import SpeculativeGenerator
+
+    params = _scaled(M.init_params(CFG, jax.random.key(1)), 30)
+    dparams = _scaled(init_drafter_params(DCFG, jax.random.key(2)), 30)
+    prompts = [[1, 2, 3, 4, 1, 2], [3, 4, 1], [0, 0, 1, 1, 2, 4, 4]]
+    plain = Generator(CFG, params, max_seq_len=MAX_SEQ)
+    spec = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, max_seq_len=MAX_SEQ, adaptive=True)
+    for kw in (dict(temperature=0.0), dict(temperature=0.9, top_p=0.9, seed=4)):
+        want = [r.token_ids for r in plain.generate(prompts, max_new_tokens=40, stop_token_ids=[], **kw)]
+        got = [r.token_ids for r in spec.generate(prompts, max_new_tokens=40, stop_token_ids=[], **kw)]
+        assert got == want
+    assert spec.spec.plain_forwards > 0 and spec.spec.target_forwards > 0
+    assert {k for (_, k) in spec.policy.seen} == {0, 1, 3}

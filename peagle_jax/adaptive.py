@@ -24,6 +24,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from peagle_jax.verify import Tree, chain
+
+
+def step_trees(tree: Tree) -> dict[int, Tree]:
+    """The candidates of a generator drafting ``tree``: K' -> its tree, a plain step (0), a chain of 1 and
+    ``tree`` itself."""
+    return {0: chain(0), 1: chain(1), tree.depth: tree}
+
 
 class AdaptiveK:
     def __init__(
