@@ -3,6 +3,7 @@ model with every graph family, and the full-size SmolLM2 shapes (abstract, no we
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -116,7 +117,14 @@ def test_the_graph_set_follows_the_generators_buckets():
     assert "prefill_b1_s128_t32_w128" in names and "decode_b1_s128_w128_greedy" in names
     assert not any("sampling" in n for n in names)
     # Speculative (K=2: 8 slots of slack): 128 slots too, so the target prefill graphs are shared.
-    assert "verify_b1_s128_chain2_w128_greedy" in names and "parallel_draft_b1_s128_chain2_n1_w128" in names
+    assert "verify_b1_s128_chain2_w128_greedy" in names and "parallel_draft_b1_s128_c3_chain2_n1_w128" in names
+    # The adaptive step length's shorter steps, inside the K=2 cache: a chain of 1 drafted over the same
+    # 3 context slots, a plain step (verify of the root alone), and make_room's drafter prefill of 3 elements.
+    assert "parallel_draft_b1_s128_c3_chain1_n1_w128" in names and "verify_b1_s128_chain0_w128_greedy" in names
+    assert "drafter_prefill_b1_s128_t3_w128" in names
+    assert not any("parallel_draft_b1_s128_c3_chain0" in n for n in names)  # a plain step drafts nothing
+    fixed = [g.name for g in all_graphs(TINY, random_drafter_config(TINY), dataclasses.replace(b, adaptive=False))]
+    assert set(fixed) < set(names) and not any("chain0" in n or "chain1" in n or "_t3_" in n for n in fixed)
     assert len(names) == len(set(names))
 
 
@@ -182,7 +190,7 @@ def test_cli_exports_a_tiny_hf_model_and_fails_on_findings(tmp_path, save_hf, mo
     assert r.returncode == 0, r.stdout + r.stderr
     hlos = sorted(p.name.removesuffix(".hlo.pb") for p in (tmp_path / "out" / "neuron").glob("*.hlo.pb"))
     neffs = sorted(p.name.removesuffix(".inf2.neff") for p in (tmp_path / "out" / "neuron").glob("*.inf2.neff"))
-    assert hlos == neffs and len(hlos) == 11
+    assert hlos == neffs and len(hlos) == 17  # 11 at a fixed K, + 6 for the adaptive step length
     assert not list((tmp_path / "out" / "neuron").glob("*.trn1.neff"))
 
     # A real drafter directory (speculators layout) instead of the random default.

@@ -15,6 +15,7 @@ families to build. Example (``neuron/buckets.yaml``)::
     sequential: true   # also the EAGLE-3 sequential draft graphs
     fused: true        # also the fused draft + verify graphs
     sampling: true     # also the sampling variants (temperature > 0), besides greedy
+    adaptive: true     # also plain steps and chains of 1 inside each K's cache (serve --load-k auto)
     dtype: bfloat16
 """
 
@@ -42,6 +43,7 @@ class ServingBuckets:
     sequential: bool = False
     fused: bool = False
     sampling: bool = True
+    adaptive: bool = True
     dtype: str = "bfloat16"
 
     def __post_init__(self):

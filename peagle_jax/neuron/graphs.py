@@ -13,7 +13,9 @@ bucket logic (cache slots, window buckets): for each batch bucket B,
 - per draft shape (each K as a chain, each tree): the target ``prefill`` and the ``drafter_prefill`` over
   the speculative cache (it has more slots), ``parallel_draft`` and (with ``sequential``)
   ``sequential_draft`` per draft window, ``verify`` per window, and (with ``fused``) ``fused_step`` per
-  window (it runs draft and verify at one window);
+  window (it runs draft and verify at one window); with ``adaptive`` (the server's default step-length
+  policy) the same for the shorter step lengths it picks from (a chain of 1, and a plain step: ``verify``
+  of the root alone), over the same K + 1 context slots, and ``drafter_prefill`` of K + 1 elements;
 - once: ``fused_mask_hidden`` (run at load).
 """
 
@@ -28,6 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
 from peagle_jax import model
+from peagle_jax.adaptive import step_trees
 from peagle_jax.config import ModelConfig
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.draft import drafter_prefill, fused_mask_hidden, parallel_draft, sequential_draft
@@ -170,6 +173,10 @@ def plain_graphs(cfg, params, buckets: ServingBuckets, mesh=None) -> list[Graph]
 
 
 def speculative_graphs(cfg, params, dcfg, dparams, buckets: ServingBuckets, tree: Tree, mesh=None) -> list[Graph]:
+    """The graphs of a generator drafting ``tree`` (K = its depth, C = K + 1 context slots); with
+    ``buckets.adaptive`` also those of its shorter step lengths (:func:`peagle_jax.adaptive.step_trees`: a
+    plain step and a chain of 1, drafted over the same C slots and cache) and the drafter-prefill of C
+    elements that keeps the drafter current during plain steps (``make_room``)."""
     gen = Generator(
         cfg,
         None,
@@ -178,93 +185,72 @@ def speculative_graphs(cfg, params, dcfg, dparams, buckets: ServingBuckets, tree
         batch_buckets=buckets.batch_buckets,
         slack=cache_slack(tree),
     )
-    S, K, tn = gen.num_slots, tree.depth, tree_name(tree)
+    S, K = gen.num_slots, tree.depth
     C, X = K + 1, len(cfg.aux_layer_ids) * cfg.hidden_size
     dt = cfg.jnp_dtype
     embed = None if dcfg.own_embedding else params["embed_tokens"]
     mask_g = sds((dcfg.hidden_size,), dcfg.layer.jnp_dtype) if dcfg.parallel else None
-    greedy_modes = (True, False) if buckets.sampling else (True,)
     draft_windows = _windows_up_to(gen, buckets.max_seq_len + 2 * K + 1)
-    verify_windows = _windows_up_to(gen, buckets.max_seq_len + tree.size + 1)
+    steps = list(step_trees(tree).values()) if buckets.adaptive else [tree]
     kinds = (["parallel"] if dcfg.parallel else []) + (["sequential"] if buckets.sequential else [])
     out = []
     for B in gen.batch_buckets:
         cache, dcache = _cache(cfg, B, S, mesh), _dcache(dcfg, B, S, mesh)
         ints = sds((B,), jnp.int32)
         ctx = (sds((B, C), jnp.int32), sds((B, C, X), dt), ints, ints)
-        for T, W in _prefill_windows(gen, buckets.max_seq_len):
-            out.append(_prefill_graph(cfg, params, cache, B, S, T, W))
-            out.append(
-                Graph(
-                    f"drafter_prefill_b{B}_s{S}_t{T}_w{W}",
-                    drafter_prefill,
-                    (dparams, dcache, sds((B, T), jnp.int32), sds((B, T, X), dt), ints, embed),
-                    dict(cfg=dcfg, window=W),
-                )
-            )
-        for Wd in draft_windows:
-            static = dict(cfg=dcfg, K=K, top_n=tree.width, window=Wd)
-            if "parallel" in kinds:
-                out.append(
-                    Graph(
-                        f"parallel_draft_b{B}_s{S}_{tn}_n{tree.width}_w{Wd}",
-                        parallel_draft,
-                        (dparams, dcache, *ctx, mask_g, embed),
-                        static,
-                    )
-                )
-            if "sequential" in kinds:
-                out.append(
-                    Graph(
-                        f"sequential_draft_b{B}_s{S}_{tn}_n{tree.width}_w{Wd}",
-                        sequential_draft,
-                        (dparams, dcache, *ctx, embed),
-                        static,
-                    )
-                )
-        for g in greedy_modes:
-            mode = "greedy" if g else "sampling"
-            verify_args = (
-                params,
-                cache,
-                ints,
-                sds((B, K, tree.width), jnp.int32),
-                ints,
-                sds((B,), jnp.uint32),
-                _sampling(B),
-            )
-            for W in verify_windows:
-                out.append(
-                    Graph(
-                        f"verify_b{B}_s{S}_{tn}_w{W}_{mode}",
-                        verify,
-                        verify_args,
-                        dict(cfg=cfg, tree=tree, window=W, greedy_only=g),
-                    )
-                )
-            if not buckets.fused:
+        prefills = _prefill_windows(gen, buckets.max_seq_len)
+        out += [_prefill_graph(cfg, params, cache, B, S, T, W) for T, W in prefills]
+        if buckets.adaptive:  # make_room: the C queued context elements, at any window they can reach
+            prefills += [(C, W) for W in _windows_up_to(gen, buckets.max_seq_len + C)]
+        for T, W in prefills:
+            args = (dparams, dcache, sds((B, T), jnp.int32), sds((B, T, X), dt), ints, embed)
+            out.append(Graph(f"drafter_prefill_b{B}_s{S}_t{T}_w{W}", drafter_prefill, args, dict(cfg=dcfg, window=W)))
+        for step in steps:
+            caches = (cache, dcache, ctx)
+            out += _step_graphs(cfg, params, dcfg, dparams, buckets, gen, step, B, caches, kinds, draft_windows)
+            if not step.depth:
                 continue
-            # The fused step runs both halves at one window, the larger of the two (see speculative.py).
-            for W in sorted(set(draft_windows) | set(verify_windows)):
-                for kind in kinds:
-                    seq = kind == "sequential"
-                    args = (
-                        params,
-                        cache,
-                        dparams,
-                        dcache,
-                        *ctx,
-                        None if seq else mask_g,
-                        embed,
-                        ints,
-                        ints,
-                        sds((B,), jnp.uint32),
-                        _sampling(B),
-                    )
-                    static = dict(
-                        cfg=cfg, dcfg=dcfg, tree=tree, sequential=seq, draft_window=W, window=W, greedy_only=g
-                    )
-                    out.append(Graph(f"fused_{kind}_b{B}_s{S}_{tn}_w{W}_{mode}", fused_step, args, static))
+            tn = f"c{C}_{tree_name(step)}"
+            for Wd in draft_windows:
+                static = dict(cfg=dcfg, K=step.depth, top_n=step.width, window=Wd)
+                if "parallel" in kinds:
+                    args = (dparams, dcache, *ctx, mask_g, embed)
+                    name = f"parallel_draft_b{B}_s{S}_{tn}_n{step.width}_w{Wd}"
+                    out.append(Graph(name, parallel_draft, args, static))
+                if "sequential" in kinds:
+                    args = (dparams, dcache, *ctx, embed)
+                    name = f"sequential_draft_b{B}_s{S}_{tn}_n{step.width}_w{Wd}"
+                    out.append(Graph(name, sequential_draft, args, static))
+    return out
+
+
+def _step_graphs(cfg, params, dcfg, dparams, buckets, gen, step: Tree, B, caches, kinds, draft_windows) -> list[Graph]:
+    """The verify graphs of one step tree (a plain step for ``chain(0)``) per window and sampling mode, and
+    with ``buckets.fused`` the fused draft + verify graphs (a plain step is never fused). ``caches``: the
+    abstract target cache, drafter cache and draft context of batch bucket B."""
+    cache, dcache, ctx = caches
+    S, C, tn, ints = gen.num_slots, ctx[0].shape[1], tree_name(step), sds((B,), jnp.int32)
+    embed = None if dcfg.own_embedding else params["embed_tokens"]
+    mask_g = sds((dcfg.hidden_size,), dcfg.layer.jnp_dtype) if dcfg.parallel else None
+    verify_windows = _windows_up_to(gen, buckets.max_seq_len + step.size + 1)
+    out = []
+    for g in (True, False) if buckets.sampling else (True,):
+        mode = "greedy" if g else "sampling"
+        drafts = sds((B, step.depth, step.width), jnp.int32)
+        verify_args = (params, cache, ints, drafts, ints, sds((B,), jnp.uint32), _sampling(B))
+        for W in verify_windows:
+            static = dict(cfg=cfg, tree=step, window=W, greedy_only=g)
+            out.append(Graph(f"verify_b{B}_s{S}_{tn}_w{W}_{mode}", verify, verify_args, static))
+        if not buckets.fused or not step.depth:
+            continue
+        # The fused step runs both halves at one window, the larger of the two (see speculative.py).
+        for W in sorted(set(draft_windows) | set(verify_windows)):
+            for kind in kinds:
+                seq = kind == "sequential"
+                args = (params, cache, dparams, dcache, *ctx, None if seq else mask_g, embed, ints, ints)
+                args += (sds((B,), jnp.uint32), _sampling(B))
+                static = dict(cfg=cfg, dcfg=dcfg, tree=step, sequential=seq, draft_window=W, window=W, greedy_only=g)
+                out.append(Graph(f"fused_{kind}_b{B}_s{S}_c{C}_{tn}_w{W}_{mode}", fused_step, args, static))
     return out
 
 
