@@ -131,6 +131,22 @@ def peagle_loss(
     this call counts; the others are context only) and ``total_weight`` (the whole batch's weight, so that
     the partial losses add up to the whole loss).
     """
+    logits_BEU, pos_BE = element_logits(params, batch, embed_VD, cfg=cfg)
+    t_BEU = target_logits(target_head_UD, _take(batch.target_hidden_BTD, pos_BE))
+    kl_BE = kl_per_element(logits_BEU, t_BEU)
+    w_BE = loss_weights(batch, pos_BE)
+    if owned_BE is not None:
+        w_BE = w_BE * owned_BE.astype(jnp.float32)
+    total = jnp.sum(w_BE) if total_weight is None else total_weight
+    loss = jnp.sum(w_BE * kl_BE) / jnp.maximum(total, 1.0)
+
+    return loss, depth_metrics(loss, kl_BE, logits_BEU, t_BEU, w_BE, batch.depth_BE, num_depths)
+
+
+def element_logits(params, batch: PEagleBatch, embed_VD=None, *, cfg: DrafterConfig):
+    """The drafter's logits [B, E, U] over the draft vocab for every element, in one forward pass under
+    :func:`element_mask`, and the elements' positions [B, E]. What the element (a, d) predicts here is what
+    :func:`peagle_jax.drafter.draft.parallel_draft` drafts at depth d + 1 from anchor a (tested)."""
     B, E = batch.anchor_BE.shape
     tokens_BE, g_BED, pos_BE = element_inputs(params, batch, cfg=cfg)
     mask_BEE = element_mask(batch.anchor_BE, batch.depth_BE, batch.valid_BE, batch.document_ids_BT)
@@ -145,15 +161,7 @@ def peagle_loss(
         mask_BTT=mask_BEE,
         positions_BT=pos_BE,
     )
-    t_BEU = target_logits(target_head_UD, _take(batch.target_hidden_BTD, pos_BE))
-    kl_BE = kl_per_element(out.logits, t_BEU)
-    w_BE = loss_weights(batch, pos_BE)
-    if owned_BE is not None:
-        w_BE = w_BE * owned_BE.astype(jnp.float32)
-    total = jnp.sum(w_BE) if total_weight is None else total_weight
-    loss = jnp.sum(w_BE * kl_BE) / jnp.maximum(total, 1.0)
-
-    return loss, depth_metrics(loss, kl_BE, out.logits, t_BEU, w_BE, batch.depth_BE, num_depths)
+    return out.logits, pos_BE
 
 
 def loss_weights(batch: PEagleBatch, pos_BE):
