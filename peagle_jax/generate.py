@@ -150,8 +150,9 @@ def encode_prompt(args, tokenizer) -> list[int]:
     return tokenizer.encode(args.prompt)
 
 
-def speculative_generator(args, model_dir, mesh=None):
-    """Target + drafter, with the drafter's aux taps applied to the target."""
+def speculative_generator(args, model_dir, mesh=None, *, adaptive: bool = False):
+    """Target + drafter, with the drafter's aux taps applied to the target; ``adaptive``: the step length
+    policy of :meth:`SpeculativeGenerator.stream` (the server's slot engine has its own)."""
     from peagle_jax.checkpoint import load_target_any
     from peagle_jax.drafter.load import load_drafter
     from peagle_jax.speculative import SpeculativeGenerator
@@ -171,7 +172,7 @@ def speculative_generator(args, model_dir, mesh=None):
         fused=args.fused,
         max_seq_len=args.max_seq_len,
         mesh=mesh,
-        adaptive=args.k_policy != "fixed",
+        adaptive=adaptive,
     )
 
 
@@ -204,7 +205,7 @@ def run(args) -> dict:
         cfg, params = load_target_any(model_dir, dtype=args.dtype)
         gen = Generator(cfg, params, max_seq_len=args.max_seq_len, mesh=mesh)
     else:
-        gen = speculative_generator(args, model_dir, mesh)
+        gen = speculative_generator(args, model_dir, mesh, adaptive=args.k_policy != "fixed")
         cfg = gen.cfg
     stop_ids = set(cfg.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
