@@ -106,6 +106,10 @@ class SpecStats:
         """Tokens emitted per target forward (1 + accepted drafts)."""
         return self.emitted / self.target_forwards if self.target_forwards else 0.0
 
+    def reset(self) -> None:
+        """Zero every counter in place (others, e.g. the server's /metrics, hold this object)."""
+        self.__dict__.update(type(self)(accepted_per_position=[0] * len(self.accepted_per_position)).__dict__)
+
 
 @dataclasses.dataclass
 class SpecState:
@@ -446,7 +450,7 @@ class SpeculativeGenerator(Generator):
             temperature=0.0 if greedy_only else 1.0,
         )
         self._warm_windows(batch, prompt_len, max_new_tokens, greedy_only)
-        self.spec = SpecStats(accepted_per_position=[0] * self.K)
+        self.spec.reset()
         if self.policy is not None:  # the warm-up's steps compile: their times are not measurements
             self.policy = AdaptiveK(self.policy.candidates)
         return time.perf_counter() - t0

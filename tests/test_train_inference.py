@@ -24,9 +24,7 @@ LAYER = ModelConfig(
     num_kv_heads=2,
     head_dim=8,
 )
-DCFG = DrafterConfig(
-    layer=LAYER, algorithm="peagle", mask_token_id=95, aux_layer_ids=(1, 4, 7), target_hidden_size=24
-)
+DCFG = DrafterConfig(layer=LAYER, algorithm="peagle", mask_token_id=95, aux_layer_ids=(1, 4, 7), target_hidden_size=24)
 
 
 def test_training_elements_predict_what_parallel_draft_drafts():

@@ -353,7 +353,7 @@ class SlotEngine:
                         if progress:
                             progress(done, total)
         if self.speculative:
-            gen.spec = type(gen.spec)(accepted_per_position=[0] * gen.K)
+            gen.spec.reset()  # in place: the server's /metrics reads this object
         if self.policy is not None:  # warmup steps compile: their times and acceptance mean nothing
             self.policy = AdaptiveK(self.policy.candidates)
         self.steps_by_k.clear()
