@@ -7,24 +7,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from test_draft import CFG as DCFG
 
-from peagle_jax.config import ModelConfig
-from peagle_jax.drafter.config import DrafterConfig
-from peagle_jax.drafter.draft import drafter_prefill, fused_mask_hidden, parallel_draft
+from peagle_jax.drafter.draft import drafter_prefill, fused_mask_hidden, parallel_draft, to_target_ids
 from peagle_jax.drafter.model import init_drafter_params, new_drafter_cache
 from peagle_jax.train.objective import PEagleBatch, element_logits
-
-LAYER = ModelConfig(
-    family="llama",
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-)
-DCFG = DrafterConfig(layer=LAYER, algorithm="peagle", mask_token_id=95, aux_layer_ids=(1, 4, 7), target_hidden_size=24)
 
 
 def test_training_elements_predict_what_parallel_draft_drafts():
@@ -32,8 +19,9 @@ def test_training_elements_predict_what_parallel_draft_drafts():
     rng = np.random.default_rng(0)
     params = init_drafter_params(DCFG, jax.random.key(0))
     params = jax.tree.map(lambda x: x * 8 if x.dtype == jnp.float32 and x.ndim > 1 else x, params)
+    params["d2t"] = jnp.asarray(rng.integers(0, 57, DCFG.draft_vocab_size), jnp.int32)  # a reduced draft vocab
     X = DCFG.num_aux * DCFG.target_hidden_size
-    tokens = jnp.asarray(rng.integers(0, 95, (1, T)), jnp.int32)
+    tokens = jnp.asarray(rng.integers(0, 96, (1, T)), jnp.int32)
     aux = jnp.asarray(rng.standard_normal((1, T, X)), jnp.float32)
     anchors = [3, 11, 20, 30]
     anchor = np.concatenate([np.arange(T)] + [np.full(K - 1, a) for a in anchors])[None].astype(np.int32)
@@ -59,6 +47,6 @@ def test_training_elements_predict_what_parallel_draft_drafts():
         ctx = (tokens[:, a : a + 1], aux[:, a : a + 1], jnp.ones(1, jnp.int32), jnp.full(1, a, jnp.int32))
         draft, _ = parallel_draft(params, cache, *ctx, mask_g, cfg=DCFG, K=K, top_n=3)
         top_lp, top_ids = jax.lax.top_k(want, 3)
-        np.testing.assert_array_equal(np.asarray(draft.tokens[0]), np.asarray(top_ids))
+        np.testing.assert_array_equal(np.asarray(draft.tokens[0]), np.asarray(to_target_ids(params, top_ids, DCFG)))
         np.testing.assert_allclose(np.asarray(draft.logprobs[0]), np.asarray(top_lp), rtol=1e-4, atol=1e-4)
         assert len(set(np.asarray(top_ids[:, 0]).tolist())) > 1  # the depths draft different tokens
