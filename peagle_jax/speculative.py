@@ -146,9 +146,7 @@ class SpecState:
         B = len(count_B)
         if plain:
             rows = np.flatnonzero(live_B)
-            at = self.ctx_count[rows]
-            if (at >= self.ctx_tokens.shape[1]).any():
-                raise ValueError("the draft context is full: call make_room before a plain step")
+            at = self.ctx_count[rows]  # < C: step() refuses a plain step over a full context
             self.ctx_tokens[rows, at] = tokens_BC[rows, 0]
             self.ctx_aux = self.ctx_aux.at[jnp.asarray(rows), jnp.asarray(at)].set(aux_BCX[jnp.asarray(rows), 0])
             self.ctx_count[rows] += 1
