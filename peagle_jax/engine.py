@@ -93,12 +93,15 @@ class Generator:
         self.cfg, self.params, self.max_seq_len = cfg, params, max_seq_len
         self.prefill_buckets = tuple(b for b in sorted(prefill_buckets) if b <= max_seq_len) or (max_seq_len,)
         self.batch_buckets = tuple(sorted(batch_buckets))
-        # Cache slots: max_seq_len (plus ``slack`` slots that a multi-token step may write past the last
-        # committed token) rounded up to whole prefill chunks, so that a padded last chunk still fits (the
-        # cache write requires start + T <= S for every row).
+        # Cache slots: max_seq_len rounded up to whole prefill chunks, so that a padded last chunk still
+        # fits (the cache write requires start + T <= S for every row), and at least max_seq_len + ``slack``
+        # (the slots a multi-token step may write past the last committed token). The slack is not rounded
+        # up to another chunk, and the top window bucket is the whole cache: a speculative generator with
+        # max_seq_len 2048 has 2063 slots and windows 128 .. 1024, 2063, not 4096 slots and a 4096 window
+        # (half the cache memory, and one window's graphs fewer to compile).
         chunk = self.prefill_buckets[-1]
-        self.num_slots = -(-(max_seq_len + slack) // chunk) * chunk
-        self.window_buckets = tuple(w for w in WINDOW_BUCKETS if w < self.num_slots) + (self.num_slots,)
+        self.num_slots = max(-(-max_seq_len // chunk) * chunk, max_seq_len + slack)
+        self.window_buckets = tuple(w for w in WINDOW_BUCKETS if w < max_seq_len) + (self.num_slots,)
         self.stats = StepStats()
 
     def _check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:

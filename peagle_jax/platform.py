@@ -107,3 +107,54 @@ def select_platform(platform: str, *, compilation_cache: str | Path | None = Non
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(f"--platform {platform}: JAX found no {platform} device ({first})") from None
     return devices
+
+
+def memory_maps() -> tuple[int, int] | None:
+    """(memory mappings this process holds, the kernel's per-process limit ``vm.max_map_count``), or None
+    where ``/proc`` does not say (not Linux)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            held = sum(1 for _ in f)
+        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return None
+    return held, limit
+
+
+MAP_LIMIT_HELP = (
+    "raise the limit (sudo sysctl -w vm.max_map_count=262144; in a container, on the host) or compile fewer "
+    "graphs: a smaller --max-seq-len or --max-batch, or one step length (--load-k none)"
+)
+
+
+class MapBudget:
+    """Stops a warm-up before its compiled graphs exhaust the process's memory mappings.
+
+    XLA's CPU backend loads every compiled kernel as its own object (about three mappings each: code,
+    constants, data), and a target model's graph has a few kernels per layer: SmolLM2 (30 layers) takes
+    about 300-550 mappings per graph. A server that compiles every (row bucket, window, step length,
+    sampling mode) graph up front can pass Linux's default per-process limit (``vm.max_map_count`` 65530),
+    after which the next compilation fails ("Cannot allocate memory") and the process crashes. So a warm-up
+    of ``total`` graphs calls :meth:`check` after each one: once 8 are done it projects the mappings the rest
+    will take from those so far and raises a :class:`~peagle_jax.errors.UserError` (one line, what to do)
+    when the projection passes 95% of the limit, or as soon as 90% is held.
+    """
+
+    def __init__(self, total: int, what: str, *, reader=None):
+        self.total, self.what, self.reader = total, what, reader or memory_maps
+        start = self.reader()
+        self.start = None if start is None else start[0]
+
+    def check(self, done: int) -> None:
+        now = self.reader()
+        if now is None or self.start is None:
+            return
+        held, limit = now
+        per_graph = (held - self.start) / max(done, 1)
+        projected = int(held + per_graph * (self.total - done))
+        if held > 0.9 * limit or (done >= min(8, self.total) and projected > 0.95 * limit):
+            raise UserError(
+                f"compiling the {self.total} graphs of {self.what} would take about {projected:,} memory "
+                f"mappings, more than this process may hold (vm.max_map_count = {limit:,}; XLA's CPU backend "
+                f"maps every compiled kernel): {MAP_LIMIT_HELP}"
+            )

@@ -82,6 +82,42 @@ def fused_step(
     return out, cache, dcache
 
 
+def _write_context(ctx_aux_BCX, aux_RWX, at_R, live_R):
+    """Write each live row r's W aux states (the first R rows) at its draft-context slots ``at[r] ..``; slots
+    outside them, and the rows that are not live, keep theirs. Selects, no scatter."""
+    R, W = aux_RWX.shape[:2]
+    rel_RC = jnp.arange(ctx_aux_BCX.shape[1])[None, :] - at_R[:, None]  # aux index of each context slot
+    take_RC1 = (live_R[:, None] & (rel_RC >= 0) & (rel_RC < W))[:, :, None]
+    src_RCX = jnp.take_along_axis(aux_RWX, jnp.clip(rel_RC, 0, W - 1)[:, :, None], axis=1)
+    new_RCX = jnp.where(take_RC1, src_RCX.astype(ctx_aux_BCX.dtype), ctx_aux_BCX[:R])
+    return jax.lax.dynamic_update_slice_in_dim(ctx_aux_BCX, new_RCX, 0, axis=0)
+
+
+write_context = jax.jit(_write_context, donate_argnums=0)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "window", "greedy_only"), donate_argnames=("cache", "ctx_aux"))
+def plain_step(params, cache, ctx_aux, root_R, q_R, at_R, live_R, seeds_R, sampling, *, cfg, window, greedy_only):
+    """A plain step inside speculative decoding, in one graph: the target decodes each row's root (the verify
+    of ``chain(0)``) and the root's aux state joins the row's pending draft context at slot ``at`` (live rows
+    of the first R; ``ctx_aux`` holds B >= R rows). Returns (next token [R], cache, ctx_aux)."""
+    none_R01 = jnp.zeros((root_R.shape[0], 0, 1), jnp.int32)
+    out, cache = verify(
+        params, cache, root_R, none_R01, q_R, seeds_R, sampling, cfg=cfg, tree=chain(0), window=window,
+        greedy_only=greedy_only,
+    )  # fmt: skip
+    return out.tokens[:, 0], cache, _write_context(ctx_aux, out.aux, at_R, live_R)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "window"), donate_argnames=("dcache", "ctx_aux"))
+def flush_context(dparams, dcache, ctx_tokens_RC, ctx_aux, start_R, full_R, embed, *, cfg, window):
+    """:meth:`SpeculativeGenerator.make_room` in one graph: the first R rows' C pending context elements go
+    into the drafter cache at slots ``start ..``, and each full row's last element moves to slot 0."""
+    R, C = ctx_tokens_RC.shape
+    dcache = drafter_prefill(dparams, dcache, ctx_tokens_RC, ctx_aux[:R], start_R, embed, cfg=cfg, window=window)
+    return dcache, _write_context(ctx_aux, ctx_aux[:R, C - 1 :], jnp.zeros(R, jnp.int32), full_R)
+
+
 def cache_slack(tree: Tree) -> int:
     """Cache slots a step may write past the committed length: the root + tree nodes (verify) and the
     K - 1 mask slots past the context (draft), with room to spare."""
@@ -139,26 +175,33 @@ class SpecState:
         lengths = np.asarray(lengths_B, np.int32)
         return cls(ctx_tokens, ctx_aux, np.ones(B, np.int32), lengths - 1, lengths.copy(), np.asarray(first_B).copy())
 
-    def advance(self, tokens_BC, count_B, aux_BCX, live_B, *, plain: bool = False) -> None:
-        """Commit a step's output for the live rows; the others stay in place. A ``plain`` step (no draft, one
-        token per row) ran no draft, so its one new element is appended to the context not yet drafted from
-        (:meth:`SpeculativeGenerator.make_room` first keeps a slot free for it)."""
-        B = len(count_B)
-        if plain:
-            rows = np.flatnonzero(live_B)
-            at = self.ctx_count[rows]  # < C: step() refuses a plain step over a full context
-            self.ctx_tokens[rows, at] = tokens_BC[rows, 0]
-            self.ctx_aux = self.ctx_aux.at[jnp.asarray(rows), jnp.asarray(at)].set(aux_BCX[jnp.asarray(rows), 0])
-            self.ctx_count[rows] += 1
-            self.q[rows] += 1
-            self.root[rows] = tokens_BC[rows, 0]
-            return
-        self.ctx_start = np.where(live_B, self.q, self.ctx_start)
-        self.q = self.q + np.where(live_B, count_B, 0)
-        self.root = np.where(live_B, tokens_BC[np.arange(B), np.maximum(count_B - 1, 0)], self.root)
-        self.ctx_tokens = np.where(live_B[:, None], tokens_BC, self.ctx_tokens)
-        self.ctx_count = np.where(live_B, count_B, self.ctx_count)
-        self.ctx_aux = jnp.where(jnp.asarray(live_B)[:, None, None], aux_BCX, self.ctx_aux)
+    def rows(self, R: int) -> SpecState:
+        """The first R rows (views of the host arrays; ``ctx_aux`` sliced when R < B)."""
+        if R == len(self.q):
+            return self
+        s = self
+        return SpecState(s.ctx_tokens[:R], s.ctx_aux[:R], s.ctx_count[:R], s.ctx_start[:R], s.q[:R], s.root[:R])
+
+    def advance(self, tokens_RC, count_R, aux_RWX, live_R) -> None:
+        """Commit a draft -> verify step's output for the live rows among the first R (= ``len(count_R)``);
+        the others stay in place. ``aux_RWX``: the verify's aux states, W = K' + 1 <= C."""
+        R, live_R = len(count_R), np.asarray(live_R, bool)
+        self.ctx_start[:R] = np.where(live_R, self.q[:R], self.ctx_start[:R])
+        self.q[:R] += np.where(live_R, count_R, 0).astype(np.int32)
+        last_R = tokens_RC[np.arange(R), np.maximum(count_R - 1, 0)]
+        self.root[:R] = np.where(live_R, last_R, self.root[:R])
+        self.ctx_tokens[:R] = np.where(live_R[:, None], tokens_RC, self.ctx_tokens[:R])
+        self.ctx_count[:R] = np.where(live_R, count_R, self.ctx_count[:R])
+        self.ctx_aux = write_context(self.ctx_aux, aux_RWX, jnp.zeros(R, jnp.int32), jnp.asarray(live_R))
+
+    def advance_plain(self, tokens_R, live_R) -> None:
+        """Commit a plain step (:func:`plain_step`, which already wrote the aux half): each live row's new
+        token, paired with the root's aux state, joins the context not yet drafted from, and is the next root."""
+        rows = np.flatnonzero(live_R)
+        self.ctx_tokens[rows, self.ctx_count[rows]] = tokens_R[rows]
+        self.ctx_count[rows] += 1
+        self.q[rows] += 1
+        self.root[rows] = tokens_R[rows]
 
 
 class SpeculativeGenerator(Generator):
@@ -219,7 +262,7 @@ class SpeculativeGenerator(Generator):
         self.mask_g = None if sequential else fused_mask_hidden(dparams, cfg=dcfg)
         self.embed = None if dcfg.own_embedding else params["embed_tokens"]
         self.spec = SpecStats(accepted_per_position=[0] * self.K)
-        self.choices = step_trees(tree) if adaptive else None
+        self.choices = step_trees(tree)  # the step lengths an adaptive policy chooses from: K' -> tree
         self.policy = AdaptiveK(sorted(self.choices)) if adaptive else None
 
     def _draft_window(self, start) -> int:
@@ -279,16 +322,15 @@ class SpeculativeGenerator(Generator):
 
         ``tree`` (default the generator's) may be a smaller tree of depth K' <= K and no more nodes, e.g. a
         shorter chain under load: it drafts K' tokens over the same K + 1 context slots and verifies them;
-        its outputs are padded to K + 1 columns (a count never exceeds K' + 1, so the padding is never read).
-        ``chain(0)`` is a plain step (one token per row, counted in ``spec.plain_forwards``); its rows need a
-        free context slot (:meth:`make_room`) and :meth:`SpecState.advance` with ``plain=True``.
+        its tokens are padded to K + 1 columns (a count never exceeds K' + 1, so the padding is never read),
+        its aux states are K' + 1. A plain step (``chain(0)``) goes through :meth:`run_step`.
         """
         tree = tree or self.tree
-        if tree.depth > self.K or tree.size > self.tree.size:
-            raise ValueError(f"a step tree must fit the generator's (depth <= {self.K}, <= {self.tree.size} nodes)")
+        if tree.depth > self.K or tree.size > self.tree.size or not tree.depth:
+            raise ValueError(f"a step tree must fit the generator's (depth 1..{self.K}, <= {self.tree.size} nodes)")
         t0 = time.perf_counter()
         window = self.window(int(state.q[live].max(initial=0)) + tree.size + 1)
-        if self.fused and tree.depth:
+        if self.fused:
             # One window for both halves (the larger: a wider window is always safe), so the fused graphs
             # are one per window bucket, not one per (draft window, verify window) pair.
             window = max(window, self._draft_window(state.ctx_start))
@@ -317,15 +359,8 @@ class SpeculativeGenerator(Generator):
             )
             t1 = t0  # one launch: its whole time is counted as verify
         else:
-            if tree.depth:
-                draft, dcache = self._draft(
-                    dcache, state.ctx_tokens, state.ctx_aux, state.ctx_count, state.ctx_start, tree
-                )
-                draft_tokens = jax.block_until_ready(draft.tokens)
-            else:  # a plain step: no draft; the target decodes the root (and returns its aux)
-                if (state.ctx_count[live] >= self.K + 1).any():
-                    raise ValueError("the draft context is full: call make_room before a plain step")
-                draft_tokens = jnp.zeros((len(live), 0, 1), jnp.int32)
+            draft, dcache = self._draft(dcache, state.ctx_tokens, state.ctx_aux, state.ctx_count, state.ctx_start, tree)
+            draft_tokens = jax.block_until_ready(draft.tokens)
             t1 = time.perf_counter()
             out, cache = verify(
                 self.params,
@@ -343,13 +378,8 @@ class SpeculativeGenerator(Generator):
         tokens, count, aux = np.asarray(out.tokens), np.asarray(out.count), out.aux
         if tree.depth < self.K:
             tokens = np.pad(tokens, ((0, 0), (0, self.K - tree.depth)))
-            aux = jnp.pad(aux, ((0, 0), (0, self.K - tree.depth), (0, 0)))
         t2 = time.perf_counter()
         self.stats.decode_steps += 1
-        if tree.depth == 0:
-            self.spec.plain_forwards += int(live.sum())
-            self.spec.verify_s += t2 - t1
-            return tokens, count, aux, cache, dcache
         for c in count[live]:
             self.spec.target_forwards += 1
             self.spec.emitted += int(c)
@@ -360,31 +390,81 @@ class SpeculativeGenerator(Generator):
         self.spec.verify_s += t2 - t1
         return tokens, count, aux, cache, dcache
 
+    def run_step(
+        self, cache, dcache, state: SpecState, seeds, sampling, *, greedy_only: bool, live, tree=None, policy=None
+    ):
+        """One step over the first R = ``len(live)`` rows of ``state`` (which may hold more), committed into
+        ``state`` for the live rows: a plain step for a tree of depth 0 (:func:`plain_step`), else draft ->
+        verify (:meth:`step`). With a ``policy`` (:class:`peagle_jax.adaptive.AdaptiveK`) and no ``tree``, the
+        policy picks the step among :attr:`choices` and learns its time. ``seeds`` and ``sampling`` are R
+        rows. Returns (tokens [R, K+1] host, count [R] host, the step's K', cache, dcache)."""
+        R, choose = len(live), tree is None and policy is not None
+        tree = self.choices[policy.choose(R)] if choose else tree or self.tree
+        t0 = time.perf_counter()
+        if tree.depth:
+            tokens, count, aux, cache, dcache = self.step(
+                cache, dcache, state.rows(R), seeds, sampling, greedy_only=greedy_only, live=live, tree=tree
+            )
+            state.advance(tokens, count, aux, live)
+        else:
+            tokens, count, cache, dcache = self._plain(cache, dcache, state, seeds, sampling, greedy_only, live)
+        if choose:
+            policy.record(R, tree.depth, time.perf_counter() - t0, count[live])
+        return tokens, count, tree.depth, cache, dcache
+
+    def _plain(self, cache, dcache, state: SpecState, seeds, sampling, greedy_only: bool, live):
+        """A plain step of :meth:`run_step`: one token per row, the drafter's context kept current."""
+        R, t0 = len(live), time.perf_counter()
+        dcache = self.make_room(dcache, state, R)
+        next_R, cache, state.ctx_aux = plain_step(
+            self.params,
+            cache,
+            state.ctx_aux,
+            jnp.asarray(state.root[:R]),
+            jnp.asarray(state.q[:R]),
+            jnp.asarray(state.ctx_count[:R]),
+            jnp.asarray(live),
+            seeds,
+            sampling,
+            cfg=self.cfg,
+            window=self.window(int(state.q[:R][live].max(initial=0)) + 1),
+            greedy_only=greedy_only,
+        )
+        next_R = np.asarray(next_R)
+        state.advance_plain(next_R, live)
+        tokens = np.zeros((R, self.K + 1), np.int32)
+        tokens[:, 0] = next_R
+        self.stats.decode_steps += 1
+        self.spec.plain_forwards += int(live.sum())
+        self.spec.verify_s += time.perf_counter() - t0
+        return tokens, np.ones(R, np.int32), cache, dcache
+
     def make_room(self, dcache, state: SpecState, rows: int):
         """Before a plain step: where one of the first ``rows`` rows holds a full draft context (K + 1
         elements, after K + 1 steps without a draft), write the context of those rows into the drafter cache
-        (:func:`drafter_prefill`) and keep only each full row's last element pending. A row's pending
-        elements are the same either way (written now or by its next draft), so this changes no output.
-        Returns the drafter cache; ``state`` is updated in place."""
+        (:func:`flush_context`) and keep only each full row's last element pending. A row's pending elements
+        are the same either way (written now or by its next draft), so this changes no output. Returns the
+        drafter cache; ``state`` is updated in place."""
         C = self.K + 1
-        full = np.flatnonzero(state.ctx_count[:rows] >= C)
-        if not len(full):
+        full = state.ctx_count[:rows] >= C
+        if not full.any():
             return dcache
         start = state.ctx_start[:rows]
-        dcache = drafter_prefill(
+        dcache, state.ctx_aux = flush_context(
             self.dparams,
             dcache,
             jnp.asarray(state.ctx_tokens[:rows]),
-            state.ctx_aux[:rows],
+            state.ctx_aux,
             jnp.asarray(start),
+            jnp.asarray(full),
             self.embed,
             cfg=self.dcfg,
             window=self.window(int(start.max()) + C),
         )
-        state.ctx_tokens[full, 0] = state.ctx_tokens[full, C - 1]
-        state.ctx_aux = state.ctx_aux.at[jnp.asarray(full), 0].set(state.ctx_aux[jnp.asarray(full), C - 1])
-        state.ctx_start[full] += C - 1
-        state.ctx_count[full] = 1
+        idx = np.flatnonzero(full)
+        state.ctx_tokens[idx, 0] = state.ctx_tokens[idx, C - 1]
+        state.ctx_start[idx] += C - 1
+        state.ctx_count[idx] = 1
         return dcache
 
     def stream(
@@ -417,22 +497,14 @@ class SpeculativeGenerator(Generator):
         yield gained
         while not done.all():
             live = ~done
-            tree, t1 = None, time.perf_counter()
-            if self.policy is not None:
-                tree = self.choices[self.policy.choose(B)]
-                if tree.depth == 0:
-                    dcache = self.make_room(dcache, state, B)
-            tokens, count, aux, cache, dcache = self.step(
-                cache, dcache, state, seeds, sampling, greedy_only=greedy_only, live=live, tree=tree
+            tokens, count, _, cache, dcache = self.run_step(
+                cache, dcache, state, seeds, sampling, greedy_only=greedy_only, live=live, policy=self.policy
             )
-            if self.policy is not None:
-                self.policy.record(B, tree.depth, time.perf_counter() - t1, count[live])
             t2 = time.perf_counter()
             gained = [[] for _ in range(n)]
             for b in range(n):
                 if live[b]:
                     self._emit(b, tokens[b, : int(count[b])].tolist(), gained, produced, done, stops, max_new_tokens)
-            state.advance(tokens, count, aux, live, plain=tree is not None and tree.depth == 0)
             self.spec.host_s += time.perf_counter() - t2
             yield gained
 

@@ -82,6 +82,9 @@ def test_tiny_model_every_graph_exports_clean_for_neuron_and_tpu(tmp_path):
         "fused_parallel",
         "fused_sequential",
         "fused_mask_hidden",
+        "write_context",
+        "plain",
+        "flush_context",
     }
     findings = export_all(graphs, tmp_path, ("neuron", "tpu"))
     assert {n: f for n, per in findings.items() for f in per.values() if f} == {}
@@ -118,13 +121,16 @@ def test_the_graph_set_follows_the_generators_buckets():
     assert not any("sampling" in n for n in names)
     # Speculative (K=2: 8 slots of slack): 128 slots too, so the target prefill graphs are shared.
     assert "verify_b1_s128_chain2_w128_greedy" in names and "parallel_draft_b1_s128_c3_chain2_n1_w128" in names
+    # Every step writes its verified aux states into the next draft's context (3 of them for K = 2).
+    assert "write_context_b1_c3_n3" in names
     # The adaptive step length's shorter steps, inside the K=2 cache: a chain of 1 drafted over the same
-    # 3 context slots, a plain step (verify of the root alone), and make_room's drafter prefill of 3 elements.
-    assert "parallel_draft_b1_s128_c3_chain1_n1_w128" in names and "verify_b1_s128_chain0_w128_greedy" in names
-    assert "drafter_prefill_b1_s128_t3_w128" in names
-    assert not any("parallel_draft_b1_s128_c3_chain0" in n for n in names)  # a plain step drafts nothing
+    # 3 context slots, the plain step, and make_room's write of the 3 queued elements to the drafter cache.
+    assert "parallel_draft_b1_s128_c3_chain1_n1_w128" in names and "write_context_b1_c3_n2" in names
+    assert "plain_b1_s128_c3_w128_greedy" in names and "flush_context_b1_s128_c3_w128" in names
+    assert not any("chain0" in n for n in names)  # a plain step neither drafts nor verifies a tree
     fixed = [g.name for g in all_graphs(TINY, random_drafter_config(TINY), dataclasses.replace(b, adaptive=False))]
-    assert set(fixed) < set(names) and not any("chain0" in n or "chain1" in n or "_t3_" in n for n in fixed)
+    assert set(fixed) < set(names)
+    assert not any(x in n for n in fixed for x in ("chain1", "plain_", "flush_", "_n2"))
     assert len(names) == len(set(names))
 
 
@@ -190,7 +196,7 @@ def test_cli_exports_a_tiny_hf_model_and_fails_on_findings(tmp_path, save_hf, mo
     assert r.returncode == 0, r.stdout + r.stderr
     hlos = sorted(p.name.removesuffix(".hlo.pb") for p in (tmp_path / "out" / "neuron").glob("*.hlo.pb"))
     neffs = sorted(p.name.removesuffix(".inf2.neff") for p in (tmp_path / "out" / "neuron").glob("*.inf2.neff"))
-    assert hlos == neffs and len(hlos) == 17  # 11 at a fixed K, + 6 for the adaptive step length
+    assert hlos == neffs and len(hlos) == 19  # 12 at a fixed K, + 7 for the adaptive step length
     assert not list((tmp_path / "out" / "neuron").glob("*.trn1.neff"))
 
     # A real drafter directory (speculators layout) instead of the random default.

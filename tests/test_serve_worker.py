@@ -131,3 +131,42 @@ def test_a_failure_that_loses_the_caches_ends_the_running_requests(gen):
         worker._step()
     ref = gen.generate([[1, 2, 3]], max_new_tokens=4, stop_token_ids=[])[0].token_ids
     assert [t for ev in got["ok"] for t in ev.tokens] == ref and got["ok"][-1].finish_reason == "length"
+
+
+class GrowingMaps:
+    """A fake ``memory_maps``: every read adds ``per_read`` mappings, under a limit of ``limit``."""
+
+    def __init__(self, per_read: int, limit: int = 65530):
+        self.held, self.per_read, self.limit = 1000, per_read, limit
+
+    def __call__(self):
+        self.held += self.per_read
+        return self.held, self.limit
+
+
+def test_map_budget_projects_and_refuses_with_what_to_do():
+    from peagle_jax.errors import UserError
+    from peagle_jax.platform import MapBudget
+
+    fits = MapBudget(100, "a small set", reader=GrowingMaps(500))
+    for done in range(1, 101):
+        fits.check(done)  # 1000 + 101 x 500 stays below 95% of 65530
+    over = MapBudget(200, "a big set", reader=GrowingMaps(500))
+    for done in range(1, 8):
+        over.check(done)  # too few graphs yet to project from
+    with pytest.raises(UserError, match=r"compiling the 200 graphs of a big set .*vm.max_map_count = 65,530.*sysctl"):
+        over.check(8)  # 8 graphs took 4000: 200 would take about 100,000
+    MapBudget(10**6, "no /proc", reader=lambda: None).check(5)  # not Linux: nothing to watch
+
+
+def test_a_warmup_over_the_map_budget_fails_with_a_user_error(gen, monkeypatch):
+    """The engine thread reports it as a user error (the server then exits with the message) instead of
+    compiling until the process crashes."""
+    import peagle_jax.platform
+
+    monkeypatch.setattr(peagle_jax.platform, "memory_maps", GrowingMaps(20_000))
+    worker = EngineWorker(SlotEngine(gen, 2), max_queue=4)
+    worker.start()
+    worker._thread.join(timeout=120)
+    assert worker.user_error and not worker.ready.is_set()
+    assert "memory mappings" in worker.failed and "--max-seq-len" in worker.failed

@@ -13,9 +13,11 @@ bucket logic (cache slots, window buckets): for each batch bucket B,
 - per draft shape (each K as a chain, each tree): the target ``prefill`` and the ``drafter_prefill`` over
   the speculative cache (it has more slots), ``parallel_draft`` and (with ``sequential``)
   ``sequential_draft`` per draft window, ``verify`` per window, and (with ``fused``) ``fused_step`` per
-  window (it runs draft and verify at one window); with ``adaptive`` (the server's default step-length
-  policy) the same for the shorter step lengths it picks from (a chain of 1, and a plain step: ``verify``
-  of the root alone), over the same K + 1 context slots, and ``drafter_prefill`` of K + 1 elements;
+  window (it runs draft and verify at one window), and ``write_context`` (the verified aux states into the
+  next draft's context); with ``adaptive`` (the server's default step-length policy) the same for the
+  shorter step lengths it picks from (a chain of 1 over the same K + 1 context slots), the plain step
+  (``plain_step`` per window) and ``flush_context`` per window (the K + 1 queued context elements into the
+  drafter cache);
 - once: ``fused_mask_hidden`` (run at load).
 """
 
@@ -39,7 +41,7 @@ from peagle_jax.engine import Generator, decode_step, sample_jit
 from peagle_jax.neuron.buckets import ServingBuckets
 from peagle_jax.sampling import SamplingParams
 from peagle_jax.sharding import AXIS, CACHE_SPEC, check_tp, param_shardings
-from peagle_jax.speculative import cache_slack, fused_step
+from peagle_jax.speculative import cache_slack, flush_context, fused_step, plain_step, write_context
 from peagle_jax.verify import Tree, chain, parse_tree, verify
 
 
@@ -175,8 +177,8 @@ def plain_graphs(cfg, params, buckets: ServingBuckets, mesh=None) -> list[Graph]
 def speculative_graphs(cfg, params, dcfg, dparams, buckets: ServingBuckets, tree: Tree, mesh=None) -> list[Graph]:
     """The graphs of a generator drafting ``tree`` (K = its depth, C = K + 1 context slots); with
     ``buckets.adaptive`` also those of its shorter step lengths (:func:`peagle_jax.adaptive.step_trees`: a
-    plain step and a chain of 1, drafted over the same C slots and cache) and the drafter-prefill of C
-    elements that keeps the drafter current during plain steps (``make_room``)."""
+    plain step and a chain of 1, drafted over the same C slots and cache) and ``flush_context``, which keeps
+    the drafter current during plain steps (``make_room``)."""
     gen = Generator(
         cfg,
         None,
@@ -200,17 +202,22 @@ def speculative_graphs(cfg, params, dcfg, dparams, buckets: ServingBuckets, tree
         ctx = (sds((B, C), jnp.int32), sds((B, C, X), dt), ints, ints)
         prefills = _prefill_windows(gen, buckets.max_seq_len)
         out += [_prefill_graph(cfg, params, cache, B, S, T, W) for T, W in prefills]
-        if buckets.adaptive:  # make_room: the C queued context elements, at any window they can reach
-            prefills += [(C, W) for W in _windows_up_to(gen, buckets.max_seq_len + C)]
         for T, W in prefills:
             args = (dparams, dcache, sds((B, T), jnp.int32), sds((B, T, X), dt), ints, embed)
             out.append(Graph(f"drafter_prefill_b{B}_s{S}_t{T}_w{W}", drafter_prefill, args, dict(cfg=dcfg, window=W)))
+        if buckets.adaptive:  # make_room: the C queued context elements, at any window they can reach
+            for W in _windows_up_to(gen, buckets.max_seq_len + C):
+                args = (dparams, dcache, ctx[0], ctx[1], ints, sds((B,), jnp.bool_), embed)
+                name = f"flush_context_b{B}_s{S}_c{C}_w{W}"
+                out.append(Graph(name, flush_context, args, dict(cfg=dcfg, window=W)))
         for step in steps:
             caches = (cache, dcache, ctx)
             out += _step_graphs(cfg, params, dcfg, dparams, buckets, gen, step, B, caches, kinds, draft_windows)
             if not step.depth:
                 continue
             tn = f"c{C}_{tree_name(step)}"
+            args = (ctx[1], sds((B, step.depth + 1, X), dt), ints, sds((B,), jnp.bool_))
+            out.append(Graph(f"write_context_b{B}_c{C}_n{step.depth + 1}", write_context, args, {}))
             for Wd in draft_windows:
                 static = dict(cfg=dcfg, K=step.depth, top_n=step.width, window=Wd)
                 if "parallel" in kinds:
@@ -225,8 +232,8 @@ def speculative_graphs(cfg, params, dcfg, dparams, buckets: ServingBuckets, tree
 
 
 def _step_graphs(cfg, params, dcfg, dparams, buckets, gen, step: Tree, B, caches, kinds, draft_windows) -> list[Graph]:
-    """The verify graphs of one step tree (a plain step for ``chain(0)``) per window and sampling mode, and
-    with ``buckets.fused`` the fused draft + verify graphs (a plain step is never fused). ``caches``: the
+    """The verify graphs of one step tree per window and sampling mode (for ``chain(0)`` the plain step's),
+    and with ``buckets.fused`` the fused draft + verify graphs (a plain step is never fused). ``caches``: the
     abstract target cache, drafter cache and draft context of batch bucket B."""
     cache, dcache, ctx = caches
     S, C, tn, ints = gen.num_slots, ctx[0].shape[1], tree_name(step), sds((B,), jnp.int32)
@@ -239,6 +246,11 @@ def _step_graphs(cfg, params, dcfg, dparams, buckets, gen, step: Tree, B, caches
         drafts = sds((B, step.depth, step.width), jnp.int32)
         verify_args = (params, cache, ints, drafts, ints, sds((B,), jnp.uint32), _sampling(B))
         for W in verify_windows:
+            if not step.depth:  # the target decodes the root; its aux state joins the draft context
+                args = (params, cache, ctx[1], ints, ints, ints, sds((B,), jnp.bool_), *verify_args[-2:])
+                static = dict(cfg=cfg, window=W, greedy_only=g)
+                out.append(Graph(f"plain_b{B}_s{S}_c{C}_w{W}_{mode}", plain_step, args, static))
+                continue
             static = dict(cfg=cfg, tree=step, window=W, greedy_only=g)
             out.append(Graph(f"verify_b{B}_s{S}_{tn}_w{W}_{mode}", verify, verify_args, static))
         if not buckets.fused or not step.depth:

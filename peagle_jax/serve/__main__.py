@@ -207,6 +207,10 @@ def serve(args, engine, tokenizer, stops, name) -> int:
 
     async def announce():
         await asyncio.get_running_loop().run_in_executor(None, _wait_ready, worker)
+        if worker.user_error:  # nothing can be served: say why and stop (exit status 2)
+            print(f"error: {worker.failed}", file=sys.stderr, flush=True)
+            server.should_exit = True
+            return
         if worker.failed or not worker.ready.is_set():
             log.error("warm-up failed; /health stays 503")
             return
@@ -223,8 +227,10 @@ def serve(args, engine, tokenizer, stops, name) -> int:
         task.cancel()
 
     app = build_app(state, lifespan=lifespan)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
-    return 0
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    server = uvicorn.Server(config)
+    server.run()
+    return 2 if worker.user_error else 0
 
 
 def _wait_ready(worker) -> None:

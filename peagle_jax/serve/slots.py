@@ -29,9 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from peagle_jax import model
-from peagle_jax.adaptive import AdaptiveK, step_trees
+from peagle_jax.adaptive import AdaptiveK
 from peagle_jax.drafter.model import new_drafter_cache
 from peagle_jax.engine import Generator, RequestError, decode_step, sample_jit
+from peagle_jax.platform import MapBudget
 from peagle_jax.sampling import SamplingParams, check_sampling_args
 from peagle_jax.speculative import SpecState, SpeculativeGenerator
 from peagle_jax.verify import Tree, chain
@@ -105,8 +106,7 @@ class SlotEngine:
             self.load_trees.append((n, chain(k)))
         self.policy = None
         if adaptive:
-            self.choices = step_trees(gen.tree)  # K' -> its tree
-            self.policy = AdaptiveK(sorted(self.choices))
+            self.policy = AdaptiveK(sorted(gen.choices))
         self.steps_by_k: dict[int, int] = {}  # steps run at each K' (0: plain steps)
         self.slots: list[_Slot | None] = [None] * max_batch
         B = max_batch
@@ -277,27 +277,21 @@ class SlotEngine:
         greedy_only = not bool(np.any(self.temperature[live] > 0))
         gen = self.gen
         if self.speculative:
-            choose = self.policy is not None and tree is None
-            if choose:
-                tree = self.choices[self.policy.choose(R)]
-            tree = tree or self.tree_for(int(live.sum())) or gen.tree
-            t0 = time.perf_counter()
-            s = self.state
-            if tree.depth == 0:
-                self.dcache = gen.make_room(self.dcache, s, R)
-            rows = SpecState(s.ctx_tokens[:R], s.ctx_aux[:R], s.ctx_count[:R], s.ctx_start[:R], s.q[:R], s.root[:R])
-            tokens_R, count_R, aux_R, self.cache, self.dcache = gen.step(
-                self.cache, self.dcache, rows, seeds, sampling, greedy_only=greedy_only, live=live[:R], tree=tree
+            if tree is None and self.policy is None:
+                tree = self.tree_for(int(live.sum()))
+            tokens, count, k, self.cache, self.dcache = gen.run_step(
+                self.cache,
+                self.dcache,
+                self.state,
+                seeds,
+                sampling,
+                greedy_only=greedy_only,
+                live=live[:R],
+                tree=tree,
+                policy=self.policy,
             )
-            if choose:
-                self.policy.record(R, tree.depth, time.perf_counter() - t0, count_R[live[:R]])
-            self.steps_by_k[tree.depth] = self.steps_by_k.get(tree.depth, 0) + 1
-            tokens = np.zeros((self.B, tokens_R.shape[1]), np.int32)
-            count = np.zeros(self.B, np.int32)
-            tokens[:R], count[:R] = tokens_R, count_R
-            aux = aux_R if R == self.B else jnp.pad(aux_R, ((0, self.B - R), (0, 0), (0, 0)))
-            s.advance(tokens, count, aux, live, plain=tree.depth == 0)
-            gained = [tokens[b, : int(count[b])] for b in range(self.B)]
+            self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
+            gained = [tokens[b, : int(count[b])] for b in range(R)]
         else:
             nxt_R, self.cache = decode_step(
                 gen.params,
@@ -331,27 +325,32 @@ class SlotEngine:
         windows = gen.window_buckets
         trees = [None] + [t for _, t in self.load_trees]
         if self.policy is not None:
-            trees = list(self.choices.values())
+            trees = list(gen.choices.values())
         # Each prefill bucket once (greedy); the first-token sampler's sampling variant once (it does not
         # depend on the prompt length).
         admits = [(L, 0.0) for L in lengths] + [(lengths[0], 1.0)]
         total = len(admits) + 2 * len(windows) * len(trees) * len(self.row_buckets)
+        budget = MapBudget(total, f"{self.B} slots x {gen.max_seq_len} tokens ({self.describe()})")
         done = 0
+
+        def advance():
+            nonlocal done
+            done += 1
+            budget.check(done)
+            if progress:
+                progress(done, total)
+
         for L, t in admits:
             ev = self.admit(SlotRequest([0] * L, 1, temperature=t, stop_token_ids=[]))
             assert ev.finish_reason == "length"
-            done += 1
-            if progress:
-                progress(done, total)
+            advance()
         # Step graphs: one live row placed so that the step's window is w, greedy and sampling.
         for rows in self.row_buckets:
             for tree in trees:
                 for w in windows:
                     for t in (0.0, 1.0):
                         self._warm_step(w, t, tree, slot=rows - 1)
-                        done += 1
-                        if progress:
-                            progress(done, total)
+                        advance()
         if self.speculative:
             gen.spec.reset()  # in place: the server's /metrics reads this object
         if self.policy is not None:  # warmup steps compile: their times and acceptance mean nothing

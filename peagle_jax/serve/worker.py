@@ -22,6 +22,7 @@ import traceback
 from collections.abc import Callable
 
 from peagle_jax.engine import RequestError
+from peagle_jax.errors import UserError
 from peagle_jax.serve.metrics import Metrics
 from peagle_jax.serve.slots import SlotEngine, SlotEvent, SlotRequest
 
@@ -55,6 +56,7 @@ class EngineWorker:
         self._queued = 0  # submitted, not yet in a slot (inbox + waiting)
         self.ready = threading.Event()  # set once the graphs are compiled
         self.failed: str | None = None  # set if the warm-up itself failed
+        self.user_error = False  # ... with a UserError (then the server exits with its message)
         self.warmup_s = 0.0
         self._thread = threading.Thread(target=self._run, name="peagle-engine", daemon=True)
 
@@ -86,6 +88,10 @@ class EngineWorker:
         if self._warm:
             try:
                 self.warmup_s = self.engine.warmup(progress=self._progress)
+            except UserError as err:  # e.g. too many graphs for this machine: the message says what to do
+                self.failed, self.user_error = str(err), True
+                log.error("warm-up failed: %s", err)
+                return
             except Exception:  # noqa: BLE001 - reported by /health, the process keeps serving errors
                 self.failed = traceback.format_exc()
                 log.error("warm-up failed:\n%s", self.failed)

@@ -1,0 +1,156 @@
+"""``python -m peagle_jax.bench.steps``: what each step length costs in the serving engine, against a plain step.
+
+The adaptive step length (:mod:`peagle_jax.adaptive`) picks, per step, a plain step (K' = 0), a chain of 1
+or K, whichever emits the most tokens per second; it can only match a plain server where its own plain
+step costs what the plain engine's decode step costs. This measures both in one loop: for each number of
+busy rows, a plain :class:`~peagle_jax.serve.slots.SlotEngine` and a speculative one (the shipped drafter
+by default) hold that many requests of the same chat prompt, and the steps are timed interleaved (plain,
+K' = 0, 1, K in rotating order), so that the machine's noise hits all of them alike. Prints a markdown
+table (medians) and with ``--json FILE`` writes it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+PROMPT = "Explain in a few paragraphs how a CPU cache works and why it matters for performance."
+
+
+def _fill(engine, prompt, rows: int, max_new: int) -> None:
+    engine.reset()
+    for _ in range(rows):
+        engine.admit(_request(prompt, max_new))
+
+
+def _request(prompt, max_new):
+    from peagle_jax.serve.slots import SlotRequest
+
+    return SlotRequest(prompt, max_new, stop_token_ids=[])
+
+
+def measure(plain_gen, spec_gen, prompt, rows: int, steps: int, progress=None) -> dict:
+    """Median seconds per step of the plain engine and of each K' of the speculative one, with ``rows``
+    busy slots, and the tokens a row gains per step at each K'."""
+    from peagle_jax.serve.slots import SlotEngine
+    from peagle_jax.verify import chain
+
+    K = spec_gen.K
+    modes = {"plain": None, 0: chain(0), 1: chain(1), K: spec_gen.tree}
+    # Warm-ups compile every window and step length up front (the adaptive engine's set covers K' = 0, 1, K).
+    engines = {m: SlotEngine(spec_gen, rows, adaptive=True) for m in modes if m != "plain"}
+    engines["plain"] = SlotEngine(plain_gen, rows)
+    for eng in engines.values():
+        eng.warmup()
+    max_new = spec_gen.max_seq_len - len(prompt) - 1
+    times = {m: [] for m in modes}
+    tokens = {m: 0 for m in modes}
+    order = list(modes)
+    for eng in engines.values():
+        _fill(eng, prompt, rows, max_new)
+    for i in range(steps):
+        for m in order[i % len(order) :] + order[: i % len(order)]:
+            eng, tree = engines[m], modes[m]
+            # Stay clear of the context's end: restart the requests before a step could run out of room.
+            top = eng.state.q.max() if eng.speculative else eng.positions.max()
+            if eng.active < rows or top + 2 * K + 4 >= spec_gen.max_seq_len:
+                _fill(eng, prompt, rows, max_new)
+            t0 = time.perf_counter()
+            events = eng.step(tree) if tree is not None else eng.step()
+            times[m].append(time.perf_counter() - t0)
+            tokens[m] += sum(len(e.tokens) for e in events)
+        if progress:
+            progress()
+    plain_s = statistics.median(times["plain"])
+    out = {"rows": rows, "plain_ms": plain_s * 1e3, "k": {}}
+    for m in modes:
+        if m == "plain":
+            continue
+        s = statistics.median(times[m])
+        per_row = tokens[m] / (steps * rows)
+        out["k"][m] = {
+            "step_ms": s * 1e3,
+            "step_over_plain": s / plain_s,
+            "tokens_per_row_step": per_row,
+            "throughput_over_plain": per_row * plain_s / s,
+        }
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.steps", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
+    p.add_argument("--drafter", help="drafter directory (default: the shipped drafter of the model)")
+    p.add_argument("--k", type=int, help="the speculative step's K (default: the drafter config's, as serve)")
+    p.add_argument("--rows", default="1,4,16", help="busy slots, comma-separated (default 1,4,16)")
+    p.add_argument("--steps", type=int, default=40, help="timed steps per mode and row count (default 40)")
+    p.add_argument("--max-seq-len", type=int, default=256, help="context length (default 256)")
+    p.add_argument("--json", help="also write the results to this JSON file")
+    args = p.parse_args(argv)
+    from tqdm import tqdm
+
+    from peagle_jax.errors import UserError
+    from peagle_jax.generate import load_tokenizer, resolve_model_dir
+
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+        if min(rows) < 1 or args.steps < 1 or (args.k is not None and args.k < 1):
+            raise ValueError
+    except ValueError:
+        print(f"error: --rows must be positive integers, --steps and --k >= 1 (got {args.rows!r})", file=sys.stderr)
+        return 2
+    try:
+        plain, spec, prompt = _generators(args, resolve_model_dir(args.model), load_tokenizer)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    results = []
+    with tqdm(total=len(rows) * args.steps, desc="steps", file=sys.stderr) as bar:
+        for r in rows:
+            results.append(measure(plain, spec, prompt, r, args.steps, progress=bar.update))
+    K = spec.K
+    print(f"{len(prompt)}-token chat prompt, K = {K}; per mode: median ms per step, x the plain engine's step, ")
+    print("tokens per row and step, throughput x plain\n")
+    print(f"| rows | plain step | K'=0 | K'=1 | K'={K} |\n|---|---|---|---|---|")
+    for res in results:
+        cells = [
+            f"{v['step_ms']:.1f} ms, {v['step_over_plain']:.2f}x, {v['tokens_per_row_step']:.2f} tok, "
+            f"**{v['throughput_over_plain']:.2f}x**"
+            for v in res["k"].values()
+        ]
+        print(f"| {res['rows']} | {res['plain_ms']:.1f} ms | " + " | ".join(cells) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"k": K, "prompt_tokens": len(prompt), "results": results}, f, indent=2)
+    return 0
+
+
+def _generators(args, model_dir, load_tokenizer):
+    """The plain and speculative generators and the chat prompt's ids."""
+    from peagle_jax.checkpoint import load_target_any
+    from peagle_jax.drafter.load import load_drafter
+    from peagle_jax.drafter.shipped import resolve_drafter
+    from peagle_jax.engine import Generator
+    from peagle_jax.errors import UserError
+    from peagle_jax.speculative import SpeculativeGenerator
+
+    drafter = args.drafter or resolve_drafter(args.model, None, None)
+    if not drafter:
+        raise UserError(f"no shipped drafter for {args.model}: give --drafter DIR")
+    dcfg, dparams = load_drafter(drafter)
+    cfg, params = load_target_any(model_dir, aux_layer_ids=dcfg.aux_layer_ids)
+    tok = load_tokenizer(model_dir)
+    messages = [{"role": "user", "content": PROMPT}]
+    prompt = list(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    )
+    plain = Generator(cfg, params, max_seq_len=args.max_seq_len)
+    spec = SpeculativeGenerator(cfg, params, dcfg, dparams, k=args.k, max_seq_len=args.max_seq_len)
+    return plain, spec, prompt
+
+
+if __name__ == "__main__":
+    sys.exit(main())
