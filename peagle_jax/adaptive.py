@@ -11,9 +11,12 @@ a decode of B tokens), the acceptance with the traffic. The policy keeps, per ro
   with a weak 0.5 prior), shared by every K' since a parallel draft's depth d does not depend on K'.
 
 It chooses ``argmax_K' E(K') / time(R, K')`` with ``E(K') = 1 + sum_{d <= K'} p_1 ... p_d`` tokens per row
-and step. Until every candidate has enough timed steps at a row bucket it tries them in turn; while a
-shorter K' wins it still runs the longest one every ``explore_every`` steps (times how much slower that one
-is, at most 8x), so that the acceptance estimate stays current at a small, bounded cost. Outputs never
+and step. At the first row bucket it tries every candidate in turn until each has enough timed steps; at a
+later one only the shortest (the plain step), whose time is scaled by each other candidate's cost relative
+to it at the nearest row bucket that timed both, until that candidate has its own times there (so learning
+a new load costs a few plain steps, not a few slow ones). While a shorter K' wins it still runs the longest
+one every ``explore_every`` steps (times how much slower that one is, at most 8x), so that the acceptance
+estimate stays current at a small, bounded cost. Outputs never
 depend on the choice: every K' commits exactly the tokens of plain decoding (greedy and sampled alike, see
 :mod:`peagle_jax.verify`), so the policy changes only the speed.
 """
@@ -64,13 +67,31 @@ class AdaptiveK:
         """Tokens a row emits per step drafting ``k``: 1 + the expected accepted prefix."""
         return 1.0 + float(np.cumprod(self.acceptance()[:k]).sum())
 
+    def _timed(self, rows: int, k: int) -> bool:
+        return self.seen.get((rows, k), 0) >= self.min_samples + 1  # + 1: the dropped first sample
+
+    def step_time(self, rows: int, k: int) -> float | None:
+        """Seconds per step of ``k`` at ``rows``: measured there, else the plain step's time there times
+        ``k``'s cost relative to it at the nearest row bucket that timed both; None when neither is known."""
+        if self._timed(rows, k):
+            return self.step_s[(rows, k)]
+        base = self.candidates[0]
+        if k == base or not self._timed(rows, base):
+            return None
+        known = [r for (r, kk) in self.step_s if kk == k and self._timed(r, k) and self._timed(r, base)]
+        if not known:
+            return None
+        near = min(known, key=lambda r: (abs(np.log2(r) - np.log2(rows)), r))
+        return self.step_s[(rows, base)] * self.step_s[(near, k)] / self.step_s[(near, base)]
+
     def choose(self, rows: int) -> int:
         """The draft length of the next step over ``rows`` rows."""
         self.steps += 1
+        times = {k: self.step_time(rows, k) for k in self.candidates}
         for k in self.candidates:
-            if self.seen.get((rows, k), 0) < self.min_samples + 1:  # + 1: the dropped first sample
+            if times[k] is None:
                 return k
-        score = {k: self.expected_tokens(k) / self.step_s[(rows, k)] for k in self.candidates}
+        score = {k: self.expected_tokens(k) / times[k] for k in self.candidates}
         best = max(self.candidates, key=score.get)
         gap = min(score[best] / max(score[self.K], 1e-12), 8.0)  # how much slower exploring is
         if best != self.K and self.steps - self.explored >= self.explore_every * gap:

@@ -2,9 +2,12 @@
 
 Each step calls two fixed-shape graphs, the draft (:func:`peagle_jax.drafter.draft.parallel_draft` or
 ``sequential_draft``) and the verify (:func:`peagle_jax.verify.verify`), per (batch bucket, K, tree,
-window bucket); the accepted count is data, never a shape. Rows progress independently: each has its own
-committed length ``q`` (the position of its last committed token, the next root), and a finished row idles
-in place (its q stops moving; its writes land at its own uncommitted slots).
+window bucket) (or one, :func:`fused_step`), then :func:`write_context` puts the verified aux states in
+the next draft's context; the accepted count is data, never a shape. A plain step (K' = 0, chosen by the
+adaptive step length) is one graph, :func:`plain_step`, and every K + 1 of them one :func:`flush_context`.
+Rows progress independently: each has its own committed length ``q`` (the position of its last committed
+token, the next root), and a finished row idles in place (its q stops moving; its writes land at its own
+uncommitted slots).
 
 Per step and row: the drafter's context is the elements committed by the previous step (the emitted
 tokens, each paired with the target aux state of the position before it), ``count`` of them, starting at

@@ -47,17 +47,39 @@ def test_adaptive_k_picks_the_fastest_step_length(step_s, accept, best):
     assert abs(policy.acceptance()[0] - accept) < 0.1
 
 
-def test_adaptive_k_times_every_candidate_per_row_bucket_and_drops_the_first_sample():
-    policy = AdaptiveK([0, 2])
-    for rows in (1, 8):
-        first = []
-        for _ in range(6):
-            k = policy.choose(rows)
-            first.append(k)
-            policy.record(rows, k, 100.0 if policy.seen.get((rows, k), 0) == 0 else 1.0 + k, [1])
-        assert first == [0, 0, 0, 2, 2, 2]
-    assert policy.step_s == {(1, 0): 1.0, (1, 2): 3.0, (8, 0): 1.0, (8, 2): 3.0}  # the 100 s compile dropped
-    assert policy.snapshot()["step_ms"]["8x2"] == 3000.0
+def test_adaptive_k_times_every_candidate_and_drops_the_first_sample():
+    policy = AdaptiveK([0, 2], explore_every=1000)
+    first = []
+    for _ in range(6):
+        k = policy.choose(1)
+        first.append(k)
+        policy.record(1, k, 100.0 if policy.seen.get((1, k), 0) == 0 else 1.0 + k, [1])
+    assert first == [0, 0, 0, 2, 2, 2]
+    assert policy.step_s == {(1, 0): 1.0, (1, 2): 3.0}  # the 100 s compile dropped
+    assert policy.snapshot()["step_ms"]["1x2"] == 3000.0
+
+
+def test_a_new_row_bucket_times_the_plain_step_and_scales_the_others():
+    """At 8 rows only the plain step is timed; K' = 2 is estimated from its cost relative to a plain step at
+    the nearest bucket that timed both (3x at 4 rows, not 2x at 1 row), until it has its own times there."""
+    policy = AdaptiveK([0, 2], explore_every=1000)
+    for k in (0, 0, 0, 2, 2, 2):
+        assert policy.choose(1) == k
+        policy.record(1, k, {0: 1.0, 2: 2.0}[k], [1])
+    for k in (0, 0, 0):  # 4 rows: K' = 2 is not tried, its time is scaled from 1 row (2x plain)
+        assert policy.choose(4) == k
+        policy.record(4, k, 2.0)
+    assert policy.step_time(4, 2) == pytest.approx(4.0) and policy.choose(4) == 0
+    for _ in range(3):  # e.g. exploring: now K' = 2 has its own times at 4 rows
+        policy.record(4, 2, 6.0, [1])
+    for _ in range(3):
+        assert policy.choose(8) == 0
+        policy.record(8, 0, 5.0)
+    assert policy.step_time(8, 2) == pytest.approx(15.0) and policy.step_time(16, 2) is None
+    assert policy.choose(8) == 0  # nothing accepted: 1 token per 5 s beats about 1.2 per 15 s
+    for _ in range(3):
+        policy.record(8, 2, 7.0, [3])
+    assert policy.step_time(8, 2) == pytest.approx(7.0)  # its own times win once it has them
 
 
 def test_acceptance_estimate_is_conditional_per_depth():

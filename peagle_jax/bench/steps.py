@@ -40,23 +40,25 @@ def measure(plain_gen, spec_gen, prompt, rows: int, steps: int, progress=None) -
 
     K = spec_gen.K
     modes = {"plain": None, 0: chain(0), 1: chain(1), K: spec_gen.tree}
-    # Warm-ups compile every window and step length up front (the adaptive engine's set covers K' = 0, 1, K).
-    engines = {m: SlotEngine(spec_gen, rows, adaptive=True) for m in modes if m != "plain"}
-    engines["plain"] = SlotEngine(plain_gen, rows)
-    for eng in engines.values():
-        eng.warmup()
+    engines = {m: SlotEngine(plain_gen if m == "plain" else spec_gen, rows) for m in modes}
     max_new = spec_gen.max_seq_len - len(prompt) - 1
+    # Every step stays inside the prompt's attention window (the requests restart before leaving it), so
+    # that each mode compiles one graph per step length, in the untimed steps below: a process that compiles
+    # every window and row bucket can run out of memory mappings (see peagle_jax.platform.MapBudget).
+    limit = spec_gen.window(len(prompt) + 2 * K + 4)
     times = {m: [] for m in modes}
     tokens = {m: 0 for m in modes}
     order = list(modes)
-    for eng in engines.values():
+    for m, eng in engines.items():
         _fill(eng, prompt, rows, max_new)
+        for _ in range(K + 3):  # compiles; runs of plain steps also reach flush_context
+            eng.step(modes[m]) if modes[m] is not None else eng.step()
     for i in range(steps):
         for m in order[i % len(order) :] + order[: i % len(order)]:
             eng, tree = engines[m], modes[m]
             # Stay clear of the context's end: restart the requests before a step could run out of room.
             top = eng.state.q.max() if eng.speculative else eng.positions.max()
-            if eng.active < rows or top + 2 * K + 4 >= spec_gen.max_seq_len:
+            if eng.active < rows or top + 2 * K + 4 >= limit:
                 _fill(eng, prompt, rows, max_new)
             t0 = time.perf_counter()
             events = eng.step(tree) if tree is not None else eng.step()

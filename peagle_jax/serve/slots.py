@@ -5,7 +5,7 @@ context of every row). A request is prefilled alone as a 1-row batch with the ge
 graph (plus the drafter prefill), and its row is copied into a free slot by one jitted fixed-shape update
 (:func:`put_row`, the slot index is data). Each :meth:`SlotEngine.step` then advances every slot at once
 with the same graphs the batch generators use: :func:`peagle_jax.engine.decode_step` for plain decoding,
-:meth:`peagle_jax.speculative.SpeculativeGenerator.step` (draft -> verify) with a drafter.
+:meth:`peagle_jax.speculative.SpeculativeGenerator.run_step` (draft -> verify, or a plain step) with a drafter.
 
 Invariants. A free slot still runs through the step (shapes never change) at a small position inside its
 own row, so it writes only its own row and nothing reads it; admitting a request overwrites the whole row.
