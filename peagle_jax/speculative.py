@@ -113,12 +113,14 @@ def plain_step(params, cache, ctx_aux, root_R, q_R, at_R, live_R, seeds_R, sampl
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "window"), donate_argnames=("dcache", "ctx_aux"))
-def flush_context(dparams, dcache, ctx_tokens_RC, ctx_aux, start_R, full_R, embed, *, cfg, window):
-    """:meth:`SpeculativeGenerator.make_room` in one graph: the first R rows' C pending context elements go
-    into the drafter cache at slots ``start ..``, and each full row's last element moves to slot 0."""
-    R, C = ctx_tokens_RC.shape
+def flush_context(dparams, dcache, ctx_tokens_RC, ctx_aux, start_R, last_R, move_R, embed, *, cfg, window):
+    """:meth:`SpeculativeGenerator.make_room` in one graph: the first R rows' C context slots go into the
+    drafter cache at slots ``start ..``, and in each ``move`` row the last pending element (slot ``last``)
+    moves to slot 0."""
+    R = ctx_tokens_RC.shape[0]
     dcache = drafter_prefill(dparams, dcache, ctx_tokens_RC, ctx_aux[:R], start_R, embed, cfg=cfg, window=window)
-    return dcache, _write_context(ctx_aux, ctx_aux[:R, C - 1 :], jnp.zeros(R, jnp.int32), full_R)
+    keep_R1X = jnp.take_along_axis(ctx_aux[:R], last_R[:, None, None], axis=1)
+    return dcache, _write_context(ctx_aux, keep_R1X, jnp.zeros(R, jnp.int32), move_R)
 
 
 def cache_slack(tree: Tree) -> int:
@@ -444,29 +446,32 @@ class SpeculativeGenerator(Generator):
 
     def make_room(self, dcache, state: SpecState, rows: int):
         """Before a plain step: where one of the first ``rows`` rows holds a full draft context (K + 1
-        elements, after K + 1 steps without a draft), write the context of those rows into the drafter cache
-        (:func:`flush_context`) and keep only each full row's last element pending. A row's pending elements
-        are the same either way (written now or by its next draft), so this changes no output. Returns the
-        drafter cache; ``state`` is updated in place."""
+        elements, after K + 1 steps without a draft), write the pending context of every row into the
+        drafter cache (:func:`flush_context`) and keep only each row's last element pending. All rows start
+        over together, so rows that fill at different steps (requests that came at different times) share
+        one flush every K steps rather than one each. A row's pending elements are the same either way
+        (written now or by its next draft; slots past them are written again before any query sees them),
+        so this changes no output. Returns the drafter cache; ``state`` is updated in place."""
         C = self.K + 1
-        full = state.ctx_count[:rows] >= C
-        if not full.any():
+        count = state.ctx_count[:rows]
+        if not (count >= C).any():
             return dcache
-        start = state.ctx_start[:rows]
+        start, move = state.ctx_start[:rows], count >= 2
         dcache, state.ctx_aux = flush_context(
             self.dparams,
             dcache,
             jnp.asarray(state.ctx_tokens[:rows]),
             state.ctx_aux,
             jnp.asarray(start),
-            jnp.asarray(full),
+            jnp.asarray(count - 1),
+            jnp.asarray(move),
             self.embed,
             cfg=self.dcfg,
             window=self.window(int(start.max()) + C),
         )
-        idx = np.flatnonzero(full)
-        state.ctx_tokens[idx, 0] = state.ctx_tokens[idx, C - 1]
-        state.ctx_start[idx] += C - 1
+        idx = np.flatnonzero(move)
+        state.ctx_tokens[idx, 0] = state.ctx_tokens[idx, count[idx] - 1]
+        state.ctx_start[idx] += count[idx] - 1
         state.ctx_count[idx] = 1
         return dcache
 

@@ -207,7 +207,7 @@ def speculative_graphs(cfg, params, dcfg, dparams, buckets: ServingBuckets, tree
             out.append(Graph(f"drafter_prefill_b{B}_s{S}_t{T}_w{W}", drafter_prefill, args, dict(cfg=dcfg, window=W)))
         if buckets.adaptive:  # make_room: the C queued context elements, at any window they can reach
             for W in _windows_up_to(gen, buckets.max_seq_len + C):
-                args = (dparams, dcache, ctx[0], ctx[1], ints, sds((B,), jnp.bool_), embed)
+                args = (dparams, dcache, ctx[0], ctx[1], ints, ints, sds((B,), jnp.bool_), embed)
                 name = f"flush_context_b{B}_s{S}_c{C}_w{W}"
                 out.append(Graph(name, flush_context, args, dict(cfg=dcfg, window=W)))
         for step in steps:
