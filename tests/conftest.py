@@ -7,6 +7,16 @@ import pytest
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_graphs():
+    """Drop JAX's compiled executables after each test module. XLA's CPU backend maps every compiled kernel
+    into memory separately, and one pytest process compiling the whole suite's graphs would otherwise
+    approach Linux's per-process limit (vm.max_map_count, 65530), where compiling fails (and where the
+    serving warm-up's budget check, peagle_jax.platform.MapBudget, rightly refuses to go on)."""
+    yield
+    jax.clear_caches()
+
 TINY = dict(hidden_size=64, intermediate_size=128, vocab_size=128, num_hidden_layers=4, head_dim=16)
 
 
