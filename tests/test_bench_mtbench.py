@@ -11,6 +11,7 @@ import jax
 import pytest
 
 from peagle_jax.bench.mtbench import MismatchError, acceptance_run, load_questions
+from peagle_jax.bench.progress import digest
 from peagle_jax.errors import UserError
 
 
@@ -47,8 +48,27 @@ def test_questions_file(tmp_path):
         load_questions(str(f), None)
 
 
-@pytest.mark.slow
-def test_bench_end_to_end(tmp_path):
+def test_progress_file_resumes_only_the_same_settings(tmp_path):
+    from peagle_jax.bench.progress import Progress
+
+    sig = {"model": "m", "prompts": digest([[1, 2], [3]]), "max_new_tokens": 8}
+    p = Progress(tmp_path / "progress.json", sig, resume=False)
+    p.set_reference(0.0, [[5], [6]])
+    p.add({"method": "P-EAGLE", "shape": "K=1", "temperature": 0.0, "acceptance_length": 1.5})
+    again = Progress(tmp_path / "progress.json", sig, resume=True)
+    assert again.finished == 2 and again.reference(0) == [[5], [6]] and again.reference(0.7) is None
+    assert again.row("P-EAGLE", "K=1", 0.0)["acceptance_length"] == 1.5 and again.row("P-EAGLE", "K=2", 0.0) is None
+    assert Progress(tmp_path / "progress.json", sig, resume=False).finished == 0  # a fresh run starts over
+    with pytest.raises(UserError, match=r"other settings \(max_new_tokens\)"):
+        Progress(tmp_path / "progress.json", {**sig, "max_new_tokens": 16}, resume=True)
+    (tmp_path / "progress.json").write_text("{not json")
+    with pytest.raises(UserError, match="not a progress file"):
+        Progress(tmp_path / "progress.json", sig, resume=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    """A tiny random target, a drafter for it and three questions."""
     import jax.numpy as jnp
 
     from peagle_jax.drafter.config import DrafterConfig
@@ -57,6 +77,7 @@ def test_bench_end_to_end(tmp_path):
     from peagle_jax.train.pipeline import load_target, save_random_target
     from peagle_jax.train.recipe import Recipe, TargetConfig
 
+    tmp_path = tmp_path_factory.mktemp("bench")
     recipe = Recipe(target=TargetConfig(model="random", tokenizer="smollm2", hidden_size=32, num_layers=3))
     cfg, params, tok, _ = load_target(recipe)
     save_random_target(cfg, params, tok, tmp_path / "target")
@@ -73,22 +94,23 @@ def test_bench_end_to_end(tmp_path):
     save_drafter(tmp_path / "drafter", dcfg, dparams)
     questions = tmp_path / "q.jsonl"
     questions.write_text("".join(json.dumps({"turns": [q]}) + "\n" for q in ("What is JAX?", "Write a poem.", "2+2?")))
+    return tmp_path
+
+
+def _bench(setup, out, *args):
+    common = ["--model", str(setup / "target"), "--drafter", str(setup / "drafter")]
+    common += ["--questions-file", str(setup / "q.jsonl"), "--max-new-tokens", "8", "--max-seq-len", "128"]
+    cmd = [sys.executable, "-m", "peagle_jax.bench", *common, "--out", str(out), "--no-progress", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_bench_end_to_end(tiny_setup, tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "peagle_jax.bench",
-            "--model",
-            str(tmp_path / "target"),
-            "--drafter",
-            str(tmp_path / "drafter"),
-            "--questions-file",
-            str(questions),
-            "--max-new-tokens",
-            "8",
-            "--max-seq-len",
-            "128",
+    proc = _bench(
+        tiny_setup,
+        out,
+        *[
             "--ks",
             "1,2",
             "--trees",
@@ -101,13 +123,7 @@ def test_bench_end_to_end(tmp_path):
             "2",
             "--rounds",
             "1",
-            "--out",
-            str(out),
-            "--no-progress",
         ],
-        capture_output=True,
-        text=True,
-        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
@@ -127,7 +143,27 @@ def test_bench_end_to_end(tmp_path):
     }
     timed = {(r["batch"], r["method"]) for r in res["speed"]}
     assert {(b, f"{m} K={k}") for b in (1, 4) for m in ("P-EAGLE", "EAGLE-3") for k in (1, 2)} <= timed
+    assert {(1, "P-EAGLE adaptive K'<=2"), (4, "P-EAGLE adaptive K'<=2")} <= timed
     assert [r["batch"] for r in res["peagle_over_eagle3"]] == [1, 4]
     assert all(r["ratio"] > 0 and r["peagle"].startswith("P-EAGLE K=") for r in res["peagle_over_eagle3"])
     assert (out / "acceptance.png").stat().st_size > 0 and (out / "speedup.png").stat().st_size > 0
     assert "| P-EAGLE | K=2 |" in (out / "results.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_stopped_bench_resumes(tiny_setup, tmp_path):
+    """Finished acceptance runs survive a failed run and are not run again with --resume."""
+    out = tmp_path / "out"
+    small = ["--ks", "1", "--trees", "", "--temperatures", "0", "--speed-questions", "1", "--rounds", "1"]
+    proc = _bench(tiny_setup, out, *small, "--speed-ks", "2")  # fails after the acceptance part
+    assert proc.returncode == 2 and "--speed-ks" in proc.stderr, proc.stderr[-2000:]
+    saved = json.loads((out / "progress.json").read_text())
+    assert [(r["method"], r["shape"]) for r in saved["acceptance"]] == [("P-EAGLE", "K=1"), ("EAGLE-3", "K=1")]
+    saved["acceptance"][0]["acceptance_length"] = 42.0  # a marker: only a resumed run reports it
+    (out / "progress.json").write_text(json.dumps(saved))
+    proc = _bench(tiny_setup, out, *small, "--speed-ks", "1", "--resume")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads((out / "results.json").read_text())
+    assert [r["acceptance_length"] for r in res["acceptance"]][0] == 42.0
+    assert res["acceptance"][1] == saved["acceptance"][1]
+    assert not (out / "progress.json").exists()

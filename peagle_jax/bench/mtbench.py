@@ -11,8 +11,11 @@ in the target's chat template (or ``--questions-file`` JSONL with a ``turns`` li
    ``--sampled-ks`` limits the runs at the temperatures after the first (greedy) one.
 2. Speed (``--speed-questions``, batch 1 and 4): plain decoding, P-EAGLE and EAGLE-3 at each ``--speed-ks``
    K (default: the best K of each by greedy acceptance), and transformers' ``generate()`` on the same
-   weights (with ``--transformers``), measured in interleaved rounds after compilation; tokens/s, ratios
-   to plain, and the fastest P-EAGLE over the fastest EAGLE-3.
+   weights (with ``--transformers``), and P-EAGLE with the adaptive step length of ``generate`` / ``serve``
+   (K' <= the largest timed K), measured in interleaved rounds after compilation; tokens/s, ratios to
+   plain, and the fastest fixed-K P-EAGLE over the fastest EAGLE-3.
+
+The acceptance runs are saved one by one in ``OUT/progress.json``; ``--resume`` continues a stopped run.
 
 Drafters default to the shipped ones for the embedded SmolLM2 (``peagle_jax/drafters/``).
 
@@ -198,16 +201,28 @@ def plain_and_spec(args):
     cfg, params = load_target_any(model_dir, aux_layer_ids=aux)
     plain = Generator(cfg, params, max_seq_len=args.max_seq_len)
 
-    def make(k=None, tree=None, sequential=False, which="peagle"):
+    def make(k=None, tree=None, sequential=False, which="peagle", adaptive=False):
         dcfg, dparams = drafters[which]
         return SpeculativeGenerator(
-            cfg, params, dcfg, dparams, k=k, tree=tree, sequential=sequential, max_seq_len=args.max_seq_len
+            cfg,
+            params,
+            dcfg,
+            dparams,
+            k=k,
+            tree=tree,
+            sequential=sequential,
+            max_seq_len=args.max_seq_len,
+            adaptive=adaptive,
         )
 
     return model_dir, tok, plain, make, cfg, "eagle3" in drafters
 
 
 def run(args) -> dict:
+    import jax
+
+    from peagle_jax.adaptive import AdaptiveK
+    from peagle_jax.bench.progress import Progress, digest
     from peagle_jax.verify import parse_tree
 
     model_dir, tok, plain, make, cfg, has_eagle3 = plain_and_spec(args)
@@ -236,25 +251,48 @@ def run(args) -> dict:
     per_temp = [len(configs) + 1] + [
         1 + sum(1 for _, _, c in configs if c.get("k") is None or c["k"] in sampled) for _ in temps[1:]
     ]
+    signature = {
+        "model": str(model_dir),
+        "drafter": str(args.drafter),
+        "eagle3_drafter": str(args.eagle3_drafter),
+        "prompts": digest(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "stops": stops,
+    }
+    progress = Progress(Path(args.out) / "progress.json", signature, resume=args.resume)
     bar = tqdm(total=sum(per_temp), desc="acceptance", unit="run", disable=not args.progress)
+    bar.update(progress.finished)
     references = {}
     for temp in temps:
-        references[temp] = generate_all(plain, prompts, temperature=temp, **kw)
-        bar.update(1)
+        references[temp] = progress.reference(temp)
+        if references[temp] is None:
+            references[temp] = generate_all(plain, prompts, temperature=temp, **kw)
+            progress.set_reference(temp, references[temp])
+            bar.update(1)
     specs = {}
     # One speculative generator alive at a time (each holds its caches and compiled graphs): config-major.
     for method, shape, spec in configs:
         specs[(method, shape)] = spec
+        todo = [
+            t
+            for t in temps
+            if (t == temps[0] or spec.get("k") is None or spec["k"] in sampled)
+            and progress.row(method, shape, t) is None
+        ]
+        if not todo:
+            continue
         gen = make(**spec)
-        for temp in temps:
-            if temp != temps[0] and spec.get("k") is not None and spec["k"] not in sampled:
-                continue
+        for temp in todo:
             name = f"{method} {shape} T={temp}"
             r = acceptance_run(gen, prompts, references[temp], name=name, temperature=temp, **kw)
-            res["acceptance"].append({"method": method, "shape": shape, "temperature": temp, "K": gen.K, **r})
+            progress.add({"method": method, "shape": shape, "temperature": temp, "K": gen.K, **r})
             bar.update(1)
         del gen
-    res["acceptance"].sort(key=lambda r: temps.index(r["temperature"]))
+        jax.clear_caches()  # its compiled graphs are not used again (memory, and the process's memory maps)
+    res["acceptance"] = sorted(
+        (r for r in progress.data["acceptance"] if r["temperature"] in temps),
+        key=lambda r: temps.index(r["temperature"]),
+    )
     bar.close()
 
     greedy = [r for r in res["acceptance"] if r["temperature"] == temps[0] and r["method"] != "P-EAGLE tree"]
@@ -270,12 +308,20 @@ def run(args) -> dict:
         raise UserError(f"--speed-ks: {', '.join(missing)} not in --ks")
     speed_prompts = prompts[: args.speed_questions]
     speed_gens = {key: make(**specs[key]) for key in timed_shapes}
+    # What generate and serve do by default: each step picks K' <= K (0 = a plain step) by measured throughput.
+    best = max((int(s[2:]) for m, s in timed_shapes if m == "P-EAGLE"))
+    adaptive_name = f"P-EAGLE adaptive K'<={best}"
+    speed_gens[adaptive_name] = make(k=best, adaptive=True)
     for batch in (1, 4):
         skw = dict(batch=batch, max_new_tokens=args.max_new_tokens, stops=stops, temperature=0.0)
         runs = {"plain": lambda g=plain, s=skw: generate_all(g, speed_prompts, **s)}
         for m, shape in timed_shapes:
             runs[f"{m} {shape}"] = lambda g=speed_gens[(m, shape)], s=skw: generate_all(g, speed_prompts, **s)
-        tokens = {name: sum(len(t) for t in fn()) for name, fn in runs.items()}
+        runs[adaptive_name] = lambda g=speed_gens[adaptive_name], s=skw: generate_all(g, speed_prompts, **s)
+        tokens = {name: sum(len(t) for t in fn()) for name, fn in runs.items()}  # untimed: compiles
+        runs[adaptive_name]()  # compiles the step lengths the policy did not try in the first call
+        policy = speed_gens[adaptive_name].policy
+        speed_gens[adaptive_name].policy = AdaptiveK(policy.candidates)  # it learns afresh from warm steps
         if args.transformers:
             runs["transformers generate()"] = transformers_generate(
                 model_dir, speed_prompts, batch=batch, max_new_tokens=args.max_new_tokens, stops=stops
@@ -353,12 +399,20 @@ def main(argv=None) -> int:
     p.add_argument("--transformers", action="store_true", help="also time transformers' generate() (needs torch)")
     p.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue a stopped run: skip the acceptance runs already saved in OUT/progress.json",
+    )
     args = p.parse_args(argv)
     try:
         if float(args.temperatures.split(",")[0]) != 0:
             raise UserError("--temperatures: the first must be 0 (greedy picks the best K for the speed part)")
         default_drafters(args)
         res = run(args)
+    except KeyboardInterrupt:
+        print(f"interrupted: finished runs are in {args.out}/progress.json; add --resume to continue", file=sys.stderr)
+        return 130
     except MismatchError as e:
         print(f"FAILED: {e}", file=sys.stderr)
         return 1
@@ -371,5 +425,6 @@ def main(argv=None) -> int:
     md = markdown(res)
     (out / "results.md").write_text(md)
     plots(res, out)
+    (out / "progress.json").unlink(missing_ok=True)
     print(md)
     return 0
