@@ -15,8 +15,10 @@ and step. At the first row bucket it tries every candidate in turn until each ha
 later one only the shortest (the plain step), whose time is scaled by each other candidate's cost relative
 to it at the nearest row bucket that timed both, until that candidate has its own times there (so learning
 a new load costs a few plain steps, not a few slow ones). While a shorter K' wins it still runs the longest
-one every ``explore_every`` steps (times how much slower that one is, at most 8x), so that the acceptance
-estimate stays current at a small, bounded cost. Outputs never
+one now and then, so that the acceptance estimate stays current: every ``explore_every`` steps times how much
+slower that one is, and twice as long after each exploration that did not bring it closer to winning, up to
+``max_explore_gap`` times ``explore_every`` (so a drafter that keeps losing costs ~0.2% of the steps, not
+~2%); the interval starts over when an exploration narrows the gap by a quarter or the longest K' wins. Outputs never
 depend on the choice: every K' commits exactly the tokens of plain decoding (greedy and sampled alike, see
 :mod:`peagle_jax.verify`), so the policy changes only the speed.
 """
@@ -42,6 +44,7 @@ class AdaptiveK:
         candidates: Sequence[int],
         *,
         explore_every: int = 32,
+        max_explore_gap: float = 16.0,
         min_samples: int = 2,
         decay: float = 0.99,
         smoothing: float = 0.2,
@@ -50,7 +53,7 @@ class AdaptiveK:
             raise ValueError(f"candidates must be draft lengths >= 0, got {candidates}")
         self.candidates = tuple(sorted(set(candidates)))
         self.K = max(self.candidates)
-        self.explore_every, self.min_samples = explore_every, min_samples
+        self.explore_every, self.max_explore_gap, self.min_samples = explore_every, max_explore_gap, min_samples
         self.decay, self.smoothing = decay, smoothing
         self.tries = np.zeros(self.K)  # per depth: rows that reached it (every earlier depth accepted)
         self.accepts = np.zeros(self.K)  # ... and accepted it
@@ -58,6 +61,8 @@ class AdaptiveK:
         self.step_s: dict[tuple[int, int], float] = {}  # (rows, K') -> smoothed seconds per step
         self.steps = 0
         self.explored = 0  # the step that last ran the longest K' to refresh the acceptance estimate
+        self.backoff = 0  # explorations since the longest K' last won or gained: each doubles the interval
+        self.explored_gap = None  # how much slower the longest K' was when it was last explored
 
     def acceptance(self) -> np.ndarray:
         """``p_d`` per depth d = 1..K: the rate of accepting depth d having accepted d - 1."""
@@ -93,9 +98,15 @@ class AdaptiveK:
                 return k
         score = {k: self.expected_tokens(k) / times[k] for k in self.candidates}
         best = max(self.candidates, key=score.get)
+        if best == self.K:
+            self.backoff = 0
+            return best
         gap = min(score[best] / max(score[self.K], 1e-12), 8.0)  # how much slower exploring is
-        if best != self.K and self.steps - self.explored >= self.explore_every * gap:
-            self.explored = self.steps
+        if self.explored_gap is not None and gap < 0.75 * self.explored_gap:  # it is catching up: look again soon
+            self.backoff, self.explored_gap = 0, gap
+        if self.steps - self.explored >= self.explore_every * min(gap * 2.0**self.backoff, self.max_explore_gap):
+            self.explored, self.explored_gap = self.steps, gap
+            self.backoff = min(self.backoff + 1, 16)
             return self.K
         return best
 

@@ -4,7 +4,8 @@ Each step calls two fixed-shape graphs, the draft (:func:`peagle_jax.drafter.dra
 ``sequential_draft``) and the verify (:func:`peagle_jax.verify.verify`), per (batch bucket, K, tree,
 window bucket) (or one, :func:`fused_step`), then :func:`write_context` puts the verified aux states in
 the next draft's context; the accepted count is data, never a shape. A plain step (K' = 0, chosen by the
-adaptive step length) is one graph, :func:`plain_step`, and every K + 1 of them one :func:`flush_context`.
+adaptive step length) is one graph, :func:`plain_step`; the elements plain steps commit queue up (up to
+:func:`queue_slots` of them) and one :func:`flush_context` writes them into the drafter cache.
 Rows progress independently: each has its own committed length ``q`` (the position of its last committed
 token, the next root), and a finished row idles in place (its q stops moving; its writes land at its own
 uncommitted slots).
@@ -123,10 +124,20 @@ def flush_context(dparams, dcache, ctx_tokens_RC, ctx_aux, start_R, last_R, move
     return dcache, _write_context(ctx_aux, keep_R1X, jnp.zeros(R, jnp.int32), move_R)
 
 
+QUEUE = 16  # context elements plain steps may queue before one flush_context writes them (at least K + 1)
+
+
+def queue_slots(K: int) -> int:
+    """Context slots of a generator drafting K deep: the K + 1 a draft reads, or more, so that runs of plain
+    steps write the drafter cache once per ``QUEUE`` steps (a drafter forward over 16 elements costs about
+    what one over 4 costs on a CPU) rather than once per K + 1."""
+    return max(K + 1, QUEUE)
+
+
 def cache_slack(tree: Tree) -> int:
-    """Cache slots a step may write past the committed length: the root + tree nodes (verify) and the
-    K - 1 mask slots past the context (draft), with room to spare."""
-    return tree.size + 2 * tree.depth + 2
+    """Cache slots a step may write past the committed length: the root + tree nodes (verify), the K - 1
+    mask slots past the context (draft) with room to spare, and a flush of the queued context."""
+    return max(tree.size + 2 * tree.depth + 2, queue_slots(tree.depth))
 
 
 @dataclasses.dataclass
@@ -154,12 +165,13 @@ class SpecStats:
 
 @dataclasses.dataclass
 class SpecState:
-    """Per-row host state between speculative steps (B rows, C = K + 1 context slots).
+    """Per-row host state between speculative steps (B rows, Q >= K + 1 context slots, see :func:`queue_slots`).
 
     ``q`` is the position of each row's root (its last committed token, not yet in the target cache) and
-    ``root`` that token; the drafter's next context is the ``ctx_count`` elements committed by the last
-    step (``ctx_tokens`` [B, C] with their target aux states ``ctx_aux`` [B, C, X]), the first at drafter
-    position ``ctx_start``. A row that is not live keeps its state, so it idles in place.
+    ``root`` that token; the drafter's next context is the ``ctx_count`` elements committed since the last
+    draft or flush (``ctx_tokens`` [B, Q] with their target aux states ``ctx_aux`` [B, Q, X]), the first at
+    drafter position ``ctx_start``; a draft reads the first K + 1 slots (a flush first where more are
+    queued). A row that is not live keeps its state, so it idles in place.
     """
 
     ctx_tokens: np.ndarray
@@ -195,7 +207,8 @@ class SpecState:
         self.q[:R] += np.where(live_R, count_R, 0).astype(np.int32)
         last_R = tokens_RC[np.arange(R), np.maximum(count_R - 1, 0)]
         self.root[:R] = np.where(live_R, last_R, self.root[:R])
-        self.ctx_tokens[:R] = np.where(live_R[:, None], tokens_RC, self.ctx_tokens[:R])
+        C = tokens_RC.shape[1]
+        self.ctx_tokens[:R, :C] = np.where(live_R[:, None], tokens_RC, self.ctx_tokens[:R, :C])
         self.ctx_count[:R] = np.where(live_R, count_R, self.ctx_count[:R])
         self.ctx_aux = write_context(self.ctx_aux, aux_RWX, jnp.zeros(R, jnp.int32), jnp.asarray(live_R))
 
@@ -263,7 +276,7 @@ class SpeculativeGenerator(Generator):
             else:
                 dparams = sharding.replicate(dparams, self.mesh)
         self.dcfg, self.dparams, self.tree, self.sequential, self.fused = dcfg, dparams, tree, sequential, fused
-        self.K = tree.depth
+        self.K, self.Q = tree.depth, queue_slots(tree.depth)
         self.mask_g = None if sequential else fused_mask_hidden(dparams, cfg=dcfg)
         self.embed = None if dcfg.own_embedding else params["embed_tokens"]
         self.spec = SpecStats(accepted_per_position=[0] * self.K)
@@ -335,6 +348,8 @@ class SpeculativeGenerator(Generator):
             raise ValueError(f"a step tree must fit the generator's (depth 1..{self.K}, <= {self.tree.size} nodes)")
         t0 = time.perf_counter()
         window = self.window(int(state.q[live].max(initial=0)) + tree.size + 1)
+        C = self.K + 1  # the draft reads the first C of the Q queued slots (run_step flushed any beyond)
+        ctx_tokens, ctx_aux = state.ctx_tokens[:, :C], state.ctx_aux if self.Q == C else state.ctx_aux[:, :C]
         if self.fused:
             # One window for both halves (the larger: a wider window is always safe), so the fused graphs
             # are one per window bucket, not one per (draft window, verify window) pair.
@@ -344,8 +359,8 @@ class SpeculativeGenerator(Generator):
                 cache,
                 self.dparams,
                 dcache,
-                jnp.asarray(state.ctx_tokens),
-                state.ctx_aux,
+                jnp.asarray(ctx_tokens),
+                ctx_aux,
                 jnp.asarray(state.ctx_count),
                 jnp.asarray(state.ctx_start),
                 self.mask_g,
@@ -364,7 +379,7 @@ class SpeculativeGenerator(Generator):
             )
             t1 = t0  # one launch: its whole time is counted as verify
         else:
-            draft, dcache = self._draft(dcache, state.ctx_tokens, state.ctx_aux, state.ctx_count, state.ctx_start, tree)
+            draft, dcache = self._draft(dcache, ctx_tokens, ctx_aux, state.ctx_count, state.ctx_start, tree)
             draft_tokens = jax.block_until_ready(draft.tokens)
             t1 = time.perf_counter()
             out, cache = verify(
@@ -407,6 +422,7 @@ class SpeculativeGenerator(Generator):
         tree = self.choices[policy.choose(R)] if choose else tree or self.tree
         t0 = time.perf_counter()
         if tree.depth:
+            dcache = self.make_room(dcache, state, R, full=self.K + 2)  # a draft reads at most K + 1 queued
             tokens, count, aux, cache, dcache = self.step(
                 cache, dcache, state.rows(R), seeds, sampling, greedy_only=greedy_only, live=live, tree=tree
             )
@@ -444,17 +460,18 @@ class SpeculativeGenerator(Generator):
         self.spec.verify_s += time.perf_counter() - t0
         return tokens, np.ones(R, np.int32), cache, dcache
 
-    def make_room(self, dcache, state: SpecState, rows: int):
-        """Before a plain step: where one of the first ``rows`` rows holds a full draft context (K + 1
-        elements, after K + 1 steps without a draft), write the pending context of every row into the
-        drafter cache (:func:`flush_context`) and keep only each row's last element pending. All rows start
-        over together, so rows that fill at different steps (requests that came at different times) share
-        one flush every K steps rather than one each. A row's pending elements are the same either way
-        (written now or by its next draft; slots past them are written again before any query sees them),
-        so this changes no output. Returns the drafter cache; ``state`` is updated in place."""
-        C = self.K + 1
+    def make_room(self, dcache, state: SpecState, rows: int, full: int | None = None):
+        """Where one of the first ``rows`` rows holds ``full`` (default Q: before a plain step, whose element
+        would not fit) or more queued context elements, write the pending context of every row into the
+        drafter cache (:func:`flush_context`) and keep only each row's last element pending; before a draft
+        ``full`` is K + 2 (a draft reads at most K + 1). All rows start over together, so rows that fill at
+        different steps (requests that came at different times) share one flush rather than one each. A
+        row's pending elements are the same either way (written now or by its next draft; slots past them
+        are written again before any query sees them), so this changes no output. Returns the drafter
+        cache; ``state`` is updated in place."""
+        Q = self.Q
         count = state.ctx_count[:rows]
-        if not (count >= C).any():
+        if not (count >= (full or Q)).any():
             return dcache
         start, move = state.ctx_start[:rows], count >= 2
         dcache, state.ctx_aux = flush_context(
@@ -467,7 +484,7 @@ class SpeculativeGenerator(Generator):
             jnp.asarray(move),
             self.embed,
             cfg=self.dcfg,
-            window=self.window(int(start.max()) + C),
+            window=self.window(int(start.max()) + Q),
         )
         idx = np.flatnonzero(move)
         state.ctx_tokens[idx, 0] = state.ctx_tokens[idx, count[idx] - 1]
@@ -495,7 +512,7 @@ class SpeculativeGenerator(Generator):
         logits, cache, dcache, last_aux = self.prefill_both(prompts, B)
         first = np.asarray(sample_jit(logits, sampling, seeds, jnp.asarray(lengths), greedy_only=greedy_only))
         self.stats.prefill_s += time.perf_counter() - t0
-        state = SpecState.start(first, last_aux, lengths, self.K + 1)
+        state = SpecState.start(first, last_aux, lengths, self.Q)
         done = np.zeros(B, bool)
         done[n:] = True
         produced = np.zeros(B, np.int32)

@@ -119,14 +119,16 @@ def test_the_graph_set_follows_the_generators_buckets():
     # Plain: 128 slots (100 rounded up to whole 32-token chunks), windows 128; chunks start at 0, 32, 64, 96.
     assert "prefill_b1_s128_t32_w128" in names and "decode_b1_s128_w128_greedy" in names
     assert not any("sampling" in n for n in names)
-    # Speculative (K=2: 8 slots of slack): 128 slots too, so the target prefill graphs are shared.
+    # Speculative (K=2: 16 slots of slack, a queue of 16 context slots): 128 slots too, so the target prefill
+    # graphs are shared. A draft reads 3 context slots.
     assert "verify_b1_s128_chain2_w128_greedy" in names and "parallel_draft_b1_s128_c3_chain2_n1_w128" in names
-    # Every step writes its verified aux states into the next draft's context (3 of them for K = 2).
-    assert "write_context_b1_c3_n3" in names
+    # Every step writes its verified aux states into the next draft's context (3 of them for K = 2) in the
+    # 16-slot queue.
+    assert "write_context_b1_c16_n3" in names
     # The adaptive step length's shorter steps, inside the K=2 cache: a chain of 1 drafted over the same
-    # 3 context slots, the plain step, and make_room's write of the 3 queued elements to the drafter cache.
-    assert "parallel_draft_b1_s128_c3_chain1_n1_w128" in names and "write_context_b1_c3_n2" in names
-    assert "plain_b1_s128_c3_w128_greedy" in names and "flush_context_b1_s128_c3_w128" in names
+    # 3 context slots, the plain step, and make_room's write of the 16 queued elements to the drafter cache.
+    assert "parallel_draft_b1_s128_c3_chain1_n1_w128" in names and "write_context_b1_c16_n2" in names
+    assert "plain_b1_s128_c16_w128_greedy" in names and "flush_context_b1_s128_c16_w128" in names
     assert not any("chain0" in n for n in names)  # a plain step neither drafts nor verifies a tree
     fixed = [g.name for g in all_graphs(TINY, random_drafter_config(TINY), dataclasses.replace(b, adaptive=False))]
     assert set(fixed) < set(names)

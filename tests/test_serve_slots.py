@@ -194,11 +194,19 @@ def test_plain_steps_in_a_speculative_engine_equal_generators(models, fused, seq
 
 def test_plain_steps_write_the_drafter_cache_a_draft_would(models):
     """The committed drafter-cache slots hold the same keys and values whether drafts wrote them (K = 3
-    steps) or make_room did (plain steps only): the drafter sees the same context after plain steps. Two
-    rows admitted two steps apart, so that their contexts fill at different steps."""
+    steps) or make_room did (plain steps only: a flush whenever the 16-slot queue is full; or 6 plain steps
+    then a draft, which first flushes the 7 queued elements it cannot read): the drafter sees the same
+    context after plain steps. Two rows admitted two steps apart, so that their queues fill at different
+    steps."""
     params, dparams = models
     spec = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, max_seq_len=MAX_SEQ)
-    engines = [SlotEngine(spec, 2, load_k=[(1, 0)]), SlotEngine(spec, 2)]
+    assert spec.Q == 16
+
+    class Mixed(SlotEngine):
+        def step(self, tree=None):
+            return super().step(spec.tree if sum(self.steps_by_k.values()) % 7 == 6 else V.chain(0))
+
+    engines = [SlotEngine(spec, 2, load_k=[(1, 0)]), Mixed(spec, 2), SlotEngine(spec, 2)]
     for engine in engines:
         engine.admit(SlotRequest([1, 2, 3, 4, 0], 40, stop_token_ids=[]))
         for _ in range(2):
@@ -206,14 +214,15 @@ def test_plain_steps_write_the_drafter_cache_a_draft_would(models):
         engine.admit(SlotRequest([1, 3, 2], 40, stop_token_ids=[]))
         while engine.state.ctx_start[:2].min() < 25:
             engine.step()
-    assert set(engines[0].steps_by_k) == {0} and set(engines[1].steps_by_k) == {3}
+    assert set(engines[0].steps_by_k) == {0} and set(engines[1].steps_by_k) == {0, 3}
+    assert set(engines[2].steps_by_k) == {3}
     for b in range(2):
         committed = min(int(e.state.ctx_start[b]) for e in engines)
         rows = [jax.tree.map(lambda x, b=b, n=committed: np.asarray(x[b, :, :n]), e.dcache) for e in engines]
-        plain_k, spec_k = rows
-        for x, y in zip(jax.tree.leaves(plain_k), jax.tree.leaves(spec_k), strict=True):
-            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-3)
-            assert np.abs(x).max() > 1.0  # real keys and values, not an empty cache
+        for other in rows[:2]:
+            for x, y in zip(jax.tree.leaves(other), jax.tree.leaves(rows[2]), strict=True):
+                np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-3)
+                assert np.abs(x).max() > 1.0  # real keys and values, not an empty cache
 
 
 def test_adaptive_k_equals_generators_and_measures(models):

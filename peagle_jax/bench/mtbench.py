@@ -61,19 +61,23 @@ def _chunks(items, n):
 
 
 def generate_all(gen, prompts, *, batch, max_new_tokens, temperature, stops, seed=0) -> list[list[int]]:
-    """Every prompt's tokens, in batches; row i's seed is ``seed + i`` whatever the batching."""
-    out = []
-    for start in range(0, len(prompts), batch):
-        rows = prompts[start : start + batch]
+    """Every prompt's tokens (in the order given), in batches of prompts of similar length (a batch's
+    attention window and prefill follow its longest row); prompt i's seed is ``seed + i`` whatever the
+    batching, so the outputs do not depend on it."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out = [None] * len(prompts)
+    for start in range(0, len(order), batch):
+        idx = order[start : start + batch]
         res = gen.generate(
-            rows,
+            [prompts[i] for i in idx],
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_p=1.0,
-            seed=[seed + start + i for i in range(len(rows))],
+            seed=[seed + i for i in idx],
             stop_token_ids=stops,
         )
-        out.extend(r.token_ids for r in res)
+        for i, r in zip(idx, res, strict=True):
+            out[i] = r.token_ids
     return out
 
 

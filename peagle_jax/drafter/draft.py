@@ -132,6 +132,7 @@ def parallel_draft(
     if not cfg.parallel:
         raise ValueError("parallel_draft needs a P-EAGLE drafter (mask token and mask_hidden)")
     B, C = tokens_BC.shape
+    aux_BCX = aux_BCX[:, :C]  # the context may sit in a longer queue (see peagle_jax.speculative.queue_slots)
     T = C + K - 1
     count_B = count_B.astype(jnp.int32)
     g_BCD = _context_g(params, aux_BCX, count_B, cfg)
@@ -173,6 +174,7 @@ def sequential_draft(
     :func:`parallel_draft`; works for P-EAGLE checkpoints too (the baseline P-EAGLE is measured against).
     """
     B, C = tokens_BC.shape
+    aux_BCX = aux_BCX[:, :C]  # the context may sit in a longer queue (see peagle_jax.speculative.queue_slots)
     count_B = count_B.astype(jnp.int32)
     g_BCD = _context_g(params, aux_BCX, count_B, cfg)
     last_B1 = (count_B - 1)[:, None]

@@ -16,8 +16,8 @@ bucket logic (cache slots, window buckets): for each batch bucket B,
   window (it runs draft and verify at one window), and ``write_context`` (the verified aux states into the
   next draft's context); with ``adaptive`` (the server's default step-length policy) the same for the
   shorter step lengths it picks from (a chain of 1 over the same K + 1 context slots), the plain step
-  (``plain_step`` per window) and ``flush_context`` per window (the K + 1 queued context elements into the
-  drafter cache);
+  (``plain_step`` per window) and ``flush_context`` per window (the Q queued context elements, see
+  :func:`peagle_jax.speculative.queue_slots`, into the drafter cache);
 - once: ``fused_mask_hidden`` (run at load).
 """
 
@@ -41,7 +41,7 @@ from peagle_jax.engine import Generator, decode_step, sample_jit
 from peagle_jax.neuron.buckets import ServingBuckets
 from peagle_jax.sampling import SamplingParams
 from peagle_jax.sharding import AXIS, CACHE_SPEC, check_tp, param_shardings
-from peagle_jax.speculative import cache_slack, flush_context, fused_step, plain_step, write_context
+from peagle_jax.speculative import cache_slack, flush_context, fused_step, plain_step, queue_slots, write_context
 from peagle_jax.verify import Tree, chain, parse_tree, verify
 
 
@@ -188,7 +188,7 @@ def speculative_graphs(cfg, params, dcfg, dparams, buckets: ServingBuckets, tree
         slack=cache_slack(tree),
     )
     S, K = gen.num_slots, tree.depth
-    C, X = K + 1, len(cfg.aux_layer_ids) * cfg.hidden_size
+    C, Q, X = K + 1, queue_slots(K), len(cfg.aux_layer_ids) * cfg.hidden_size
     dt = cfg.jnp_dtype
     embed = None if dcfg.own_embedding else params["embed_tokens"]
     mask_g = sds((dcfg.hidden_size,), dcfg.layer.jnp_dtype) if dcfg.parallel else None
@@ -199,16 +199,16 @@ def speculative_graphs(cfg, params, dcfg, dparams, buckets: ServingBuckets, tree
     for B in gen.batch_buckets:
         cache, dcache = _cache(cfg, B, S, mesh), _dcache(dcfg, B, S, mesh)
         ints = sds((B,), jnp.int32)
-        ctx = (sds((B, C), jnp.int32), sds((B, C, X), dt), ints, ints)
+        ctx = (sds((B, C), jnp.int32), sds((B, Q, X), dt), ints, ints)  # a draft reads C of the Q aux slots
         prefills = _prefill_windows(gen, buckets.max_seq_len)
         out += [_prefill_graph(cfg, params, cache, B, S, T, W) for T, W in prefills]
         for T, W in prefills:
             args = (dparams, dcache, sds((B, T), jnp.int32), sds((B, T, X), dt), ints, embed)
             out.append(Graph(f"drafter_prefill_b{B}_s{S}_t{T}_w{W}", drafter_prefill, args, dict(cfg=dcfg, window=W)))
-        if buckets.adaptive:  # make_room: the C queued context elements, at any window they can reach
-            for W in _windows_up_to(gen, buckets.max_seq_len + C):
-                args = (dparams, dcache, ctx[0], ctx[1], ints, ints, sds((B,), jnp.bool_), embed)
-                name = f"flush_context_b{B}_s{S}_c{C}_w{W}"
+        if buckets.adaptive:  # make_room: the Q queued context elements, at any window they can reach
+            for W in _windows_up_to(gen, buckets.max_seq_len + Q):
+                args = (dparams, dcache, sds((B, Q), jnp.int32), ctx[1], ints, ints, sds((B,), jnp.bool_), embed)
+                name = f"flush_context_b{B}_s{S}_c{Q}_w{W}"
                 out.append(Graph(name, flush_context, args, dict(cfg=dcfg, window=W)))
         for step in steps:
             caches = (cache, dcache, ctx)
@@ -217,7 +217,7 @@ def speculative_graphs(cfg, params, dcfg, dparams, buckets: ServingBuckets, tree
                 continue
             tn = f"c{C}_{tree_name(step)}"
             args = (ctx[1], sds((B, step.depth + 1, X), dt), ints, sds((B,), jnp.bool_))
-            out.append(Graph(f"write_context_b{B}_c{C}_n{step.depth + 1}", write_context, args, {}))
+            out.append(Graph(f"write_context_b{B}_c{Q}_n{step.depth + 1}", write_context, args, {}))
             for Wd in draft_windows:
                 static = dict(cfg=dcfg, K=step.depth, top_n=step.width, window=Wd)
                 if "parallel" in kinds:
@@ -236,7 +236,8 @@ def _step_graphs(cfg, params, dcfg, dparams, buckets, gen, step: Tree, B, caches
     and with ``buckets.fused`` the fused draft + verify graphs (a plain step is never fused). ``caches``: the
     abstract target cache, drafter cache and draft context of batch bucket B."""
     cache, dcache, ctx = caches
-    S, C, tn, ints = gen.num_slots, ctx[0].shape[1], tree_name(step), sds((B,), jnp.int32)
+    S, tn, ints = gen.num_slots, tree_name(step), sds((B,), jnp.int32)
+    C, Q = ctx[0].shape[1], ctx[1].shape[1]  # the draft's context slots, the queue's
     embed = None if dcfg.own_embedding else params["embed_tokens"]
     mask_g = sds((dcfg.hidden_size,), dcfg.layer.jnp_dtype) if dcfg.parallel else None
     verify_windows = _windows_up_to(gen, buckets.max_seq_len + step.size + 1)
@@ -249,7 +250,7 @@ def _step_graphs(cfg, params, dcfg, dparams, buckets, gen, step: Tree, B, caches
             if not step.depth:  # the target decodes the root; its aux state joins the draft context
                 args = (params, cache, ctx[1], ints, ints, ints, sds((B,), jnp.bool_), *verify_args[-2:])
                 static = dict(cfg=cfg, window=W, greedy_only=g)
-                out.append(Graph(f"plain_b{B}_s{S}_c{C}_w{W}_{mode}", plain_step, args, static))
+                out.append(Graph(f"plain_b{B}_s{S}_c{Q}_w{W}_{mode}", plain_step, args, static))
                 continue
             static = dict(cfg=cfg, tree=step, window=W, greedy_only=g)
             out.append(Graph(f"verify_b{B}_s{S}_{tn}_w{W}_{mode}", verify, verify_args, static))

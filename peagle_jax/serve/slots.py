@@ -146,7 +146,7 @@ class SlotEngine:
             self.dcache = new_drafter_cache(gen.dcfg, B, gen.num_slots)
             X = len(gen.cfg.aux_layer_ids) * gen.cfg.hidden_size
             self.state = SpecState.start(
-                np.zeros(B, np.int32), jnp.zeros((B, X), gen.cfg.jnp_dtype), np.ones(B, np.int32), gen.K + 1
+                np.zeros(B, np.int32), jnp.zeros((B, X), gen.cfg.jnp_dtype), np.ones(B, np.int32), gen.Q
             )
         else:
             self.pending = np.zeros(B, np.int32)  # the token each row feeds next, at ``positions``
@@ -375,10 +375,10 @@ class SlotEngine:
             lower = max((x for x in gen.window_buckets if x < w), default=0)
             # q at the top and the bottom of the bucket, ctx_start up to K + 1 behind q: every draft window
             # a step with verify window w can meet (the fused graph compiles per pair). A plain step runs
-            # with a full context, so that it also compiles make_room's drafter write for this window.
+            # with a full queue, so that it also compiles make_room's drafter write for this window.
             for q in sorted({max(w - tree.size - 1, 1), max(lower - tree.size, 1)}):
                 for start in sorted({max(q - 1 - gen.K, 0), q - 1}):
-                    count = gen.K + 1 if tree.depth == 0 else 1
+                    count = gen.Q if tree.depth == 0 else 1
                     s.q[b], s.ctx_start[b], s.ctx_count[b] = q, max(q - count, 0) if tree.depth == 0 else start, count
                     self.step(tree)
         self._release(b)
