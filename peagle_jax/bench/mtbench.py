@@ -264,8 +264,7 @@ def run(args) -> dict:
         "stops": stops,
     }
     progress = Progress(Path(args.out) / "progress.json", signature, resume=args.resume)
-    bar = tqdm(total=sum(per_temp), desc="acceptance", unit="run", disable=not args.progress)
-    bar.update(progress.finished)
+    bar = tqdm(total=sum(per_temp), initial=progress.finished, desc="acceptance", unit="run", disable=not args.progress)
     references = {}
     for temp in temps:
         references[temp] = progress.reference(temp)
