@@ -349,7 +349,7 @@ class SpeculativeGenerator(Generator):
         t0 = time.perf_counter()
         window = self.window(int(state.q[live].max(initial=0)) + tree.size + 1)
         C = self.K + 1  # the draft reads the first C of the Q queued slots (run_step flushed any beyond)
-        ctx_tokens, ctx_aux = state.ctx_tokens[:, :C], state.ctx_aux if self.Q == C else state.ctx_aux[:, :C]
+        ctx_tokens, ctx_aux = state.ctx_tokens[:, :C], state.ctx_aux  # the graphs read the first C aux slots
         if self.fused:
             # One window for both halves (the larger: a wider window is always safe), so the fused graphs
             # are one per window bucket, not one per (draft window, verify window) pair.
