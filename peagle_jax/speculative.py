@@ -570,7 +570,7 @@ class SpeculativeGenerator(Generator):
             dcache = (sharding.shard_cache if self.shard_drafter else sharding.replicate)(dcache, self.mesh)
         X = len(self.cfg.aux_layer_ids) * self.cfg.hidden_size
         tokens, count = np.zeros((B, C), np.int32), np.ones(B, np.int32)
-        aux = jnp.zeros((B, C, X), self.cfg.jnp_dtype)
+        aux = jnp.zeros((B, self.Q, X), self.cfg.jnp_dtype)  # the whole queue, as step() passes it
         sampling = SamplingParams.make(B, 0.0 if greedy_only else 1.0)
         seeds, root = jnp.zeros(B, jnp.uint32), jnp.zeros(B, jnp.int32)
         out = None
