@@ -10,7 +10,7 @@ import sys
 import jax
 import pytest
 
-from peagle_jax.bench.mtbench import MismatchError, acceptance_run, load_questions
+from peagle_jax.bench.mtbench import MismatchError, acceptance_run, fixed_k_speedups, load_questions
 from peagle_jax.bench.progress import digest
 from peagle_jax.errors import UserError
 
@@ -36,6 +36,20 @@ def test_a_mismatch_fails_the_run():
     assert same["acceptance_length"] == 1.5
     with pytest.raises(MismatchError, match="question 1 differs"):
         acceptance_run(_FakeGen([[1, 2], [4]]), [[5], [6]], [[1, 2], [3]], name="x", **kw)
+
+
+def test_speedup_plot_reads_fixed_k_rows_only():
+    speed = [
+        {"batch": 1, "method": "plain", "vs_plain": 1.0},
+        {"batch": 1, "method": "P-EAGLE K=7", "vs_plain": 0.5},
+        {"batch": 1, "method": "P-EAGLE K=3", "vs_plain": 0.6},
+        {"batch": 4, "method": "P-EAGLE K=3", "vs_plain": 0.8},
+        {"batch": 1, "method": "P-EAGLE adaptive K'<=7", "vs_plain": 0.9},
+        {"batch": 1, "method": "EAGLE-3 K=3", "vs_plain": 0.7},
+    ]
+    assert fixed_k_speedups(speed, "P-EAGLE", 1) == {3: 0.6, 7: 0.5}
+    assert fixed_k_speedups(speed, "P-EAGLE", 4) == {3: 0.8}
+    assert fixed_k_speedups(speed, "EAGLE-3", 1) == {3: 0.7}
 
 
 def test_questions_file(tmp_path):

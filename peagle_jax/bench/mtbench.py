@@ -25,6 +25,7 @@ Writes ``OUT/results.json``, ``OUT/results.md`` and ``OUT/acceptance.png`` / ``O
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -155,11 +156,22 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def fixed_k_speedups(speed: list[dict], method: str, batch: int) -> dict[int, float]:
+    """K -> tokens/s over plain decoding of ``method`` drafting a fixed K at ``batch`` (the speed part's rows)."""
+    out = {}
+    for r in speed:
+        m = re.fullmatch(re.escape(method) + r" K=(\d+)", r["method"])
+        if m and r["batch"] == batch:
+            out[int(m[1])] = r["vs_plain"]
+    return out
+
+
 def plots(res: dict, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in res["acceptance"]:
@@ -175,12 +187,25 @@ def plots(res: dict, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "acceptance.png", dpi=120)
     plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6, 4))
+    # Speedup against K: per target forward (the acceptance length, the bound on any engine's speedup) and
+    # end to end over plain decoding (the timed K of the speed part, at each batch size).
+    fig, (ideal, measured) = plt.subplots(1, 2, figsize=(11, 4))
     for method in ("P-EAGLE", "EAGLE-3"):
         rows = [r for r in res["acceptance"] if r["method"] == method and r["temperature"] == 0]
-        ax.plot([r["K"] for r in rows], [r["acceptance_length"] for r in rows], marker="o", label=method)
-    ax.set(xlabel="K", ylabel="acceptance length (greedy)", title="Acceptance length against K")
-    ax.legend()
+        ideal.plot([r["K"] for r in rows], [r["acceptance_length"] for r in rows], marker="o", label=method)
+        for batch in sorted({r["batch"] for r in res["speed"]}):
+            timed = fixed_k_speedups(res["speed"], method, batch)
+            if timed:
+                ks = sorted(timed)
+                measured.plot(ks, [timed[k] for k in ks], marker="o", label=f"{method}, batch {batch}")
+    ideal.set(xlabel="K", ylabel="tokens per target forward (greedy)", title="Acceptance length against K")
+    measured.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="plain decoding")
+    measured.set(xlabel="K", ylabel="tokens/s over plain decoding", title="End-to-end speedup against K")
+    for ax in (ideal, measured):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ideal.legend()
+    if res["speed"]:
+        measured.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "speedup.png", dpi=120)
     plt.close(fig)
