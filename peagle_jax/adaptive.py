@@ -14,7 +14,8 @@ It chooses ``argmax_K' E(K') / time(R, K')`` with ``E(K') = 1 + sum_{d <= K'} p_
 and step. At the first row bucket it tries every candidate in turn until each has enough timed steps; at a
 later one only the shortest (the plain step), whose time is scaled by each other candidate's cost relative
 to it at the nearest row bucket that timed both, until that candidate has its own times there (so learning
-a new load costs a few plain steps, not a few slow ones). While a shorter K' wins it still runs the longest
+a new load costs a few plain steps, not a few slow ones); the engines' warm-ups record these times for every
+row bucket before serving (:meth:`record` without counts). While a shorter K' wins it still runs the longest
 one now and then, so that the acceptance estimate stays current: every ``explore_every`` steps times how much
 slower that one is, and twice as long after each exploration that did not bring it closer to winning, up to
 ``max_explore_gap`` times ``explore_every`` (so a drafter that keeps losing costs ~0.2% of the steps, not

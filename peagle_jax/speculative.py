@@ -545,22 +545,39 @@ class SpeculativeGenerator(Generator):
             temperature=0.0 if greedy_only else 1.0,
         )
         self._warm_windows(batch, prompt_len, max_new_tokens, greedy_only)
+        if self.policy is not None:  # the warm-up's steps compiled: their times are not measurements
+            self.policy = self._calibrated(batch)
         self.spec.reset()
-        if self.policy is not None:  # the warm-up's steps compile: their times are not measurements
-            self.policy = AdaptiveK(self.policy.candidates)
         return time.perf_counter() - t0
 
-    def _warm_windows(self, batch: int, prompt_len: int, max_new_tokens: int, greedy_only: bool) -> None:
-        """One call per window bucket, with the root (q) and the draft context start placed so that the host
-        loop's window rules (see :meth:`stream`) pick exactly that bucket. Outputs are discarded."""
-        from peagle_jax import model
+    def _calibrated(self, batch: int) -> AdaptiveK:
+        """A fresh adaptive policy that knows what each step length costs at this batch: each is timed over
+        a few compiled greedy steps on scratch caches (the policy drops each first sample), so the first
+        request does not pay for measuring the slower ones. Step times are refined by every step served; the
+        acceptance is learnt from real text only."""
         from peagle_jax.engine import bucket
         from peagle_jax.sampling import SamplingParams
 
-        B, K, size, C = bucket(batch, self.batch_buckets), self.K, self.tree.size, self.K + 1
-        last = prompt_len + max_new_tokens
-        verify_windows = {self.window(q + size + 1) for q in range(prompt_len, last + 1)}
-        draft_windows = {self._draft_window(np.asarray([s])) for s in range(prompt_len - 1, last + 1)}
+        policy = AdaptiveK(self.policy.candidates)
+        B = bucket(batch, self.batch_buckets)
+        cache, dcache = self._scratch_caches(B)
+        X = len(self.cfg.aux_layer_ids) * self.cfg.hidden_size
+        q = np.full(B, max(self.window_buckets[0] - self.tree.size - 1, 1), np.int32)  # the smallest window
+        sampling, seeds, live = SamplingParams.make(B, 0.0), jnp.zeros(B, jnp.uint32), np.ones(B, bool)
+        for k in policy.candidates:
+            for _ in range(policy.min_samples + 1):
+                state = SpecState.start(np.zeros(B, np.int32), jnp.zeros((B, X), self.cfg.jnp_dtype), q, self.Q)
+                t0 = time.perf_counter()
+                _, _, _, cache, dcache = self.run_step(
+                    cache, dcache, state, seeds, sampling, greedy_only=True, live=live, tree=self.choices[k]
+                )
+                policy.record(B, k, time.perf_counter() - t0)
+        return policy
+
+    def _scratch_caches(self, B: int):
+        """Empty target and drafter caches of B rows, sharded as the generator's own."""
+        from peagle_jax import model
+
         cache = model.new_cache(self.cfg, B, self.num_slots)
         dcache = new_drafter_cache(self.dcfg, B, self.num_slots)
         if self.mesh is not None:
@@ -568,6 +585,19 @@ class SpeculativeGenerator(Generator):
 
             cache = sharding.shard_cache(cache, self.mesh)
             dcache = (sharding.shard_cache if self.shard_drafter else sharding.replicate)(dcache, self.mesh)
+        return cache, dcache
+
+    def _warm_windows(self, batch: int, prompt_len: int, max_new_tokens: int, greedy_only: bool) -> None:
+        """One call per window bucket, with the root (q) and the draft context start placed so that the host
+        loop's window rules (see :meth:`stream`) pick exactly that bucket. Outputs are discarded."""
+        from peagle_jax.engine import bucket
+        from peagle_jax.sampling import SamplingParams
+
+        B, K, size, C = bucket(batch, self.batch_buckets), self.K, self.tree.size, self.K + 1
+        last = prompt_len + max_new_tokens
+        verify_windows = {self.window(q + size + 1) for q in range(prompt_len, last + 1)}
+        draft_windows = {self._draft_window(np.asarray([s])) for s in range(prompt_len - 1, last + 1)}
+        cache, dcache = self._scratch_caches(B)
         X = len(self.cfg.aux_layer_ids) * self.cfg.hidden_size
         tokens, count = np.zeros((B, C), np.int32), np.ones(B, np.int32)
         aux = jnp.zeros((B, self.Q, X), self.cfg.jnp_dtype)  # the whole queue, as step() passes it

@@ -294,7 +294,13 @@ def test_no_compiles_after_warmup_adaptive(models):
     graphs = (M.prefill, sample_jit, put_row, V.verify, D.parallel_draft, D.drafter_prefill)
     engine = SlotEngine(gen, 4, adaptive=True)
     engine.warmup()
-    assert engine.policy.steps == 0  # the warm-up's compile times are not measurements
+    policy = engine.policy
+    assert policy.steps == 0 and engine.steps_by_k == {} and gen.spec.steps == 0
+    # After compiling, the warm-up timed every step length at every row bucket (compile times dropped), so
+    # the policy chooses among known costs from the first request; acceptance is left to the traffic.
+    assert all(policy._timed(r, k) for r in engine.row_buckets for k in (0, 1, 3))
+    assert all(policy.step_time(r, k) > 0 for r in engine.row_buckets for k in (0, 1, 3))
+    assert not policy.tries.any()
     before = [g._cache_size() for g in graphs]
     long = [([1, 2] * 20, 20, 0.0, 0, 1.0, 0, []), ([3] * 2, 61, 0.8, 2, 0.9, 5, [])]
     _run(engine, REQUESTS + long, arrive_every=1, cancel=(1, 2))

@@ -47,3 +47,19 @@ def test_nothing_compiles_after_warmup(kind):
     (result,) = gen.generate([prompt], max_new_tokens=new, stop_token_ids=[])
     assert len(result.token_ids) == new
     assert sizes() == before
+
+
+def test_adaptive_warmup_times_every_step_length():
+    """With the adaptive step length, the warm-up leaves a policy that already knows each step length's
+    cost at the request's batch (after compiling), and nothing about acceptance."""
+    params = M.init_params(CFG, jax.random.key(0))
+    dparams = init_drafter_params(DCFG, jax.random.key(1))
+    gen = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, adaptive=True, max_seq_len=160)
+    gen.warmup(3, 5, 20, greedy_only=True)
+    policy = gen.policy
+    assert policy.steps == 0 and gen.spec.steps == 0 and not policy.tries.any()
+    assert {key for key in policy.step_s} == {(4, 0), (4, 1), (4, 3)}  # batch 3 runs in the 4-row bucket
+    assert all(policy._timed(4, k) for k in (0, 1, 3))
+    assert policy.choose(4) in (0, 1, 3) and policy.steps == 1
+    (result,) = gen.generate([[1, 2, 3, 4, 5]], max_new_tokens=20, stop_token_ids=[])
+    assert len(result.token_ids) == 20

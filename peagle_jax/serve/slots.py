@@ -330,6 +330,9 @@ class SlotEngine:
         # depend on the prompt length).
         admits = [(L, 0.0) for L in lengths] + [(lengths[0], 1.0)]
         total = len(admits) + 2 * len(windows) * len(trees) * len(self.row_buckets)
+        calibration = [(rows, k) for rows in self.row_buckets for k in sorted(gen.choices)] if self.policy else []
+        repeats = self.policy.min_samples + 1 if self.policy else 0  # the policy drops each first sample
+        total += len(calibration) * repeats
         budget = MapBudget(total, f"{self.B} slots x {gen.max_seq_len} tokens ({self.describe()})")
         done = 0
 
@@ -351,13 +354,33 @@ class SlotEngine:
                     for t in (0.0, 1.0):
                         self._warm_step(w, t, tree, slot=rows - 1)
                         advance()
+        if self.policy is not None:  # the steps above compiled: their times and acceptance mean nothing
+            self.policy = AdaptiveK(self.policy.candidates)
+            for rows, k in calibration:
+                for _ in range(repeats):
+                    self.policy.record(rows, k, self._time_step(gen.choices[k], slot=rows - 1))
+                    advance()
         if self.speculative:
             gen.spec.reset()  # in place: the server's /metrics reads this object
-        if self.policy is not None:  # warmup steps compile: their times and acceptance mean nothing
-            self.policy = AdaptiveK(self.policy.candidates)
         self.steps_by_k.clear()
         self.reset()
         return time.perf_counter() - t0
+
+    def _time_step(self, tree: Tree, slot: int) -> float:
+        """Seconds of one compiled greedy step drafting ``tree`` (depth 0: a plain step) with one busy slot
+        (``slot``: the row bucket) in the smallest window. The adaptive policy starts from these times, so
+        the first requests at each load do not pay for measuring the slower step lengths (the times are
+        refined by every step served; the acceptance is learnt from traffic only)."""
+        gen, b, s = self.gen, slot, self.state
+        self.slots[b] = _Slot(SlotRequest([0], 1 << 30, temperature=0.0, stop_token_ids=[]), frozenset())
+        self._device_params = {}
+        q = max(gen.window_buckets[0] - gen.tree.size - 1, 1)
+        s.q[b], s.ctx_start[b], s.ctx_count[b] = q, q - 1, 1  # one queued context element: no flush
+        t0 = time.perf_counter()
+        self.step(tree)
+        seconds = time.perf_counter() - t0
+        self._release(b)
+        return seconds
 
     def _warm_step(self, w: int, temperature: float, tree: Tree | None = None, slot: int = 0) -> None:
         """One step with a single busy slot (``slot``, which sets the row bucket) placed so that the step's
