@@ -589,64 +589,72 @@ class SpeculativeGenerator(Generator):
 
     def _warm_windows(self, batch: int, prompt_len: int, max_new_tokens: int, greedy_only: bool) -> None:
         """One call per window bucket, with the root (q) and the draft context start placed so that the host
-        loop's window rules (see :meth:`stream`) pick exactly that bucket. Outputs are discarded."""
+        loop's window rules (see :meth:`stream`) pick exactly that bucket; with the adaptive step length, for
+        every step length (its draft and verify or fused graphs, the plain step and the context flush).
+        Outputs are discarded."""
         from peagle_jax.engine import bucket
         from peagle_jax.sampling import SamplingParams
 
-        B, K, size, C = bucket(batch, self.batch_buckets), self.K, self.tree.size, self.K + 1
-        last = prompt_len + max_new_tokens
-        verify_windows = {self.window(q + size + 1) for q in range(prompt_len, last + 1)}
-        draft_windows = {self._draft_window(np.asarray([s])) for s in range(prompt_len - 1, last + 1)}
+        B, K, Q = bucket(batch, self.batch_buckets), self.K, self.Q
+        positions = range(prompt_len - 1, prompt_len + max_new_tokens + 1)
+        draft_windows = sorted({self._draft_window(np.asarray([s])) for s in positions})
         cache, dcache = self._scratch_caches(B)
         X = len(self.cfg.aux_layer_ids) * self.cfg.hidden_size
-        tokens, count = np.zeros((B, C), np.int32), np.ones(B, np.int32)
-        aux = jnp.zeros((B, self.Q, X), self.cfg.jnp_dtype)  # the whole queue, as step() passes it
+        tokens, count = np.zeros((B, K + 1), np.int32), np.ones(B, np.int32)
+        aux = jnp.zeros((B, Q, X), self.cfg.jnp_dtype)  # the whole queue, as step() passes it
         sampling = SamplingParams.make(B, 0.0 if greedy_only else 1.0)
-        seeds, root = jnp.zeros(B, jnp.uint32), jnp.zeros(B, jnp.int32)
+        seeds, root, live = jnp.zeros(B, jnp.uint32), jnp.zeros(B, jnp.int32), jnp.ones(B, bool)
+        trees = [t for t in self.choices.values() if t.depth] if self.policy is not None else [self.tree]
         out = None
-        windows = sorted(verify_windows | draft_windows) if self.fused else sorted(verify_windows)
-        for w in windows:
-            q = jnp.full(B, max(w - size - 1, 0), jnp.int32)
-            start = np.full(B, max(w - 2 * K - 1, 0), np.int32)
-            if self.fused:
-                out, cache, dcache = fused_step(
-                    self.params,
-                    cache,
-                    self.dparams,
-                    dcache,
-                    jnp.asarray(tokens),
-                    aux,
-                    jnp.asarray(count),
-                    jnp.asarray(start),
-                    self.mask_g,
-                    self.embed,
-                    root,
-                    q,
-                    seeds,
-                    sampling,
-                    cfg=self.cfg,
-                    dcfg=self.dcfg,
-                    tree=self.tree,
-                    sequential=self.sequential,
-                    draft_window=w,
-                    window=w,
-                    greedy_only=greedy_only,
-                )
-            else:
-                out, cache = verify(
-                    self.params,
-                    cache,
-                    root,
-                    jnp.zeros((B, K, self.tree.width), jnp.int32),
-                    q,
-                    seeds,
-                    sampling,
-                    cfg=self.cfg,
-                    tree=self.tree,
-                    window=w,
-                    greedy_only=greedy_only,
-                )
-        for w in [] if self.fused else sorted(draft_windows):
-            start = np.full(B, max(w - 2 * K - 1, 0), np.int32)
-            out, dcache = self._draft(dcache, tokens, aux, count, start)
+        for tree in trees:
+            verify_windows = {self.window(q + tree.size + 1) for q in positions[1:]}
+            for w in sorted(verify_windows | set(draft_windows)) if self.fused else sorted(verify_windows):
+                q = jnp.full(B, max(w - tree.size - 1, 0), jnp.int32)
+                start = np.full(B, max(w - 2 * K - 1, 0), np.int32)
+                if self.fused:
+                    out, cache, dcache = fused_step(
+                        self.params,
+                        cache,
+                        self.dparams,
+                        dcache,
+                        jnp.asarray(tokens),
+                        aux,
+                        jnp.asarray(count),
+                        jnp.asarray(start),
+                        self.mask_g,
+                        self.embed,
+                        root,
+                        q,
+                        seeds,
+                        sampling,
+                        cfg=self.cfg,
+                        dcfg=self.dcfg,
+                        tree=tree,
+                        sequential=self.sequential,
+                        draft_window=w,
+                        window=w,
+                        greedy_only=greedy_only,
+                    )
+                else:
+                    drafts = jnp.zeros((B, tree.depth, tree.width), jnp.int32)
+                    out, cache = verify(
+                        self.params, cache, root, drafts, q, seeds, sampling, cfg=self.cfg, tree=tree, window=w,
+                        greedy_only=greedy_only,
+                    )  # fmt: skip
+            for w in [] if self.fused else draft_windows:
+                start = np.full(B, max(w - 2 * K - 1, 0), np.int32)
+                out, dcache = self._draft(dcache, tokens, aux, count, start, tree)
+        if self.policy is not None:  # plain steps, and the flushes of the context they queue
+            for w in sorted({self.window(q + 1) for q in positions[1:]}):
+                q = jnp.full(B, w - 1, jnp.int32)
+                out, cache, aux = plain_step(
+                    self.params, cache, aux, root, q, jnp.asarray(count), live, seeds, sampling, cfg=self.cfg,
+                    window=w, greedy_only=greedy_only,
+                )  # fmt: skip
+            for w in sorted({self.window(s + Q) for s in positions}):
+                start = jnp.full(B, max(w - Q, 0), jnp.int32)
+                dcache, aux = flush_context(
+                    self.dparams, dcache, jnp.zeros((B, Q), jnp.int32), aux, start, jnp.asarray(count), live,
+                    self.embed, cfg=self.dcfg, window=w,
+                )  # fmt: skip
         jax.block_until_ready(out)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import pytest
 
@@ -13,7 +15,7 @@ from peagle_jax.config import ModelConfig
 from peagle_jax.drafter import draft as D
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.model import init_drafter_params
-from peagle_jax.speculative import SpeculativeGenerator, fused_step
+from peagle_jax.speculative import SpeculativeGenerator, flush_context, fused_step, plain_step
 
 CFG = ModelConfig(
     family="llama",
@@ -26,23 +28,37 @@ CFG = ModelConfig(
     head_dim=8,
 )
 DCFG = DrafterConfig(layer=CFG.replace(num_layers=1, aux_layer_ids=(0,)), algorithm="peagle", mask_token_id=5)
-GRAPHS = (M.prefill, engine.decode_step, engine.sample_jit, V.verify, D.parallel_draft, D.drafter_prefill, fused_step)
+GRAPHS = (
+    M.prefill,
+    engine.decode_step,
+    engine.sample_jit,
+    V.verify,
+    D.parallel_draft,
+    D.drafter_prefill,
+    fused_step,
+    plain_step,
+    flush_context,
+)
 
 
 def sizes():
     return [g._cache_size() for g in GRAPHS]
 
 
-@pytest.mark.parametrize("kind", ["plain", "speculative", "fused"])
+@pytest.mark.parametrize("kind", ["plain", "speculative", "fused", "adaptive", "adaptive-fused"])
 def test_nothing_compiles_after_warmup(kind):
     params = M.init_params(CFG, jax.random.key(0))
     if kind == "plain":
         gen = engine.Generator(CFG, params, max_seq_len=160)
     else:
         dparams = init_drafter_params(DCFG, jax.random.key(1))
-        gen = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, fused=kind == "fused", max_seq_len=160)
+        fused, adaptive = kind.endswith("fused"), kind.startswith("adaptive")
+        gen = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, fused=fused, adaptive=adaptive, max_seq_len=160)
     prompt, new = [1, 2, 3, 4, 5], 140  # the context crosses the 128-slot window bucket
     gen.warmup(1, len(prompt), new, greedy_only=True)
+    if kind.startswith("adaptive"):  # every step length in every window, with flushes before drafts
+        lengths = itertools.cycle([0, 0, 0, 0, 0, 1, 3])
+        gen.policy.choose = lambda rows: next(lengths)
     before = sizes()
     (result,) = gen.generate([prompt], max_new_tokens=new, stop_token_ids=[])
     assert len(result.token_ids) == new

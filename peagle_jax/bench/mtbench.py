@@ -250,7 +250,6 @@ def plain_and_spec(args):
 def run(args) -> dict:
     import jax
 
-    from peagle_jax.adaptive import AdaptiveK
     from peagle_jax.bench.progress import Progress, digest
     from peagle_jax.verify import parse_tree
 
@@ -347,9 +346,10 @@ def run(args) -> dict:
             runs[f"{m} {shape}"] = lambda g=speed_gens[(m, shape)], s=skw: generate_all(g, speed_prompts, **s)
         runs[adaptive_name] = lambda g=speed_gens[adaptive_name], s=skw: generate_all(g, speed_prompts, **s)
         tokens = {name: sum(len(t) for t in fn()) for name, fn in runs.items()}  # untimed: compiles
-        runs[adaptive_name]()  # compiles the step lengths the policy did not try in the first call
-        policy = speed_gens[adaptive_name].policy
-        speed_gens[adaptive_name].policy = AdaptiveK(policy.candidates)  # it learns afresh from warm steps
+        # As generate does: compile every step length's graphs in every window the prompts reach, and
+        # give the policy their warm step times (it learns the acceptance from the timed runs).
+        longest = max(len(p) for p in speed_prompts)
+        speed_gens[adaptive_name].warmup(batch, longest, args.max_new_tokens, greedy_only=True)
         if args.transformers:
             runs["transformers generate()"] = transformers_generate(
                 model_dir, speed_prompts, batch=batch, max_new_tokens=args.max_new_tokens, stops=stops
