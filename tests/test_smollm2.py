@@ -98,6 +98,8 @@ def test_cli_chat_json(ref):
             QUESTION,
             "--max-new-tokens",
             "16",
+            "--k-policy",
+            "fixed",
             "--json",
         ],
         capture_output=True,
@@ -112,6 +114,6 @@ def test_cli_chat_json(ref):
     assert result["text"] == ref["tokenizer"].decode(result["token_ids"], skip_special_tokens=True)
     assert result["text"].startswith("The sky is blue")
     assert result["tokens_per_s"] > 0
-    # The embedded target is speculated by the shipped drafter by default, and still equals transformers:
-    # the adaptive step length first times 3 plain steps, then drafts (1, then K tokens) before it chooses.
-    assert result["plain_steps"] >= 3 and result["target_forwards"] >= 3 and result["acceptance_length"] >= 1.0
+    # The embedded target is speculated by the shipped drafter by default (here at every step: the default
+    # adaptive step length may decode plainly where that was measured faster), and still equals transformers.
+    assert result["plain_steps"] == 0 and result["target_forwards"] >= 3 and result["acceptance_length"] >= 1.0
