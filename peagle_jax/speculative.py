@@ -283,6 +283,17 @@ class SpeculativeGenerator(Generator):
         self.choices = step_trees(tree)  # the step lengths an adaptive policy chooses from: K' -> tree
         self.policy = AdaptiveK(sorted(self.choices)) if adaptive else None
 
+    def _fused(self, cache, dcache, ctx, root, q, seeds, sampling, tree: Tree, window: int, greedy_only: bool):
+        """:func:`fused_step` (draft and verify in one graph) with ``ctx`` = (tokens, aux, count, start) of the
+        queued draft context. Returns (verify output, cache, dcache)."""
+        tokens, aux, count, start = ctx
+        return fused_step(
+            self.params, cache, self.dparams, dcache, jnp.asarray(tokens), aux, jnp.asarray(count),
+            jnp.asarray(start), self.mask_g, self.embed, jnp.asarray(root), jnp.asarray(q), seeds, sampling,
+            cfg=self.cfg, dcfg=self.dcfg, tree=tree, sequential=self.sequential, draft_window=window, window=window,
+            greedy_only=greedy_only,
+        )  # fmt: skip
+
     def _draft_window(self, start) -> int:
         return self.window(int(start.max()) + 2 * self.K + 1)
 
@@ -354,28 +365,9 @@ class SpeculativeGenerator(Generator):
             # One window for both halves (the larger: a wider window is always safe), so the fused graphs
             # are one per window bucket, not one per (draft window, verify window) pair.
             window = max(window, self._draft_window(state.ctx_start))
-            out, cache, dcache = fused_step(
-                self.params,
-                cache,
-                self.dparams,
-                dcache,
-                jnp.asarray(ctx_tokens),
-                ctx_aux,
-                jnp.asarray(state.ctx_count),
-                jnp.asarray(state.ctx_start),
-                self.mask_g,
-                self.embed,
-                jnp.asarray(state.root),
-                jnp.asarray(state.q),
-                seeds,
-                sampling,
-                cfg=self.cfg,
-                dcfg=self.dcfg,
-                tree=tree,
-                sequential=self.sequential,
-                draft_window=window,
-                window=window,
-                greedy_only=greedy_only,
+            ctx = (ctx_tokens, ctx_aux, state.ctx_count, state.ctx_start)
+            out, cache, dcache = self._fused(
+                cache, dcache, ctx, state.root, state.q, seeds, sampling, tree, window, greedy_only
             )
             t1 = t0  # one launch: its whole time is counted as verify
         else:
@@ -612,29 +604,8 @@ class SpeculativeGenerator(Generator):
                 q = jnp.full(B, max(w - tree.size - 1, 0), jnp.int32)
                 start = np.full(B, max(w - 2 * K - 1, 0), np.int32)
                 if self.fused:
-                    out, cache, dcache = fused_step(
-                        self.params,
-                        cache,
-                        self.dparams,
-                        dcache,
-                        jnp.asarray(tokens),
-                        aux,
-                        jnp.asarray(count),
-                        jnp.asarray(start),
-                        self.mask_g,
-                        self.embed,
-                        root,
-                        q,
-                        seeds,
-                        sampling,
-                        cfg=self.cfg,
-                        dcfg=self.dcfg,
-                        tree=tree,
-                        sequential=self.sequential,
-                        draft_window=w,
-                        window=w,
-                        greedy_only=greedy_only,
-                    )
+                    ctx = (tokens, aux, count, start)
+                    out, cache, dcache = self._fused(cache, dcache, ctx, root, q, seeds, sampling, tree, w, greedy_only)
                 else:
                     drafts = jnp.zeros((B, tree.depth, tree.width), jnp.int32)
                     out, cache = verify(
