@@ -101,7 +101,10 @@ def main():
     for (path, a), b in zip(
         jax.tree_util.tree_leaves_with_path(state8.params), jax.tree.leaves(state1.params), strict=True
     ):
-        close(a, b, f"param {jax.tree_util.keystr(path)} after 3 steps")
+        # Adam divides each update by the root of its second moment, so where a gradient is near zero a
+        # float rounding difference (the gradients above agree to 3e-8) moves the update by a visible
+        # fraction of the learning rate: parameters are compared to 5% of one step's size.
+        close(a, b, f"param {jax.tree_util.keystr(path)} after 3 steps", tol=0.05 * TCFG.lr)
 
     # A checkpoint written on the (2, 4) mesh restores on (8, 1) and on one device, values intact.
     with tempfile.TemporaryDirectory() as tmp:

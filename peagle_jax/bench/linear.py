@@ -1,0 +1,138 @@
+"""``python -m peagle_jax.bench.linear``: the two forms of the weight products, side by side, by row count.
+
+Every projection of the target (and of the drafter) is ``x . W^T`` with ``W`` in ``[out, in]`` layout
+(:func:`peagle_jax.ops.linear`). XLA can compute it as ``x @ W^T`` or as ``W @ x^T`` (then transposed); on
+its CPU backend the first repacks all of W on every call as soon as x has more than one row, which a
+verify of a few tokens, a draft, or a decode step of a small batch pays on every layer. This times, for
+each row count M, all of the model's weight matrices (every layer's, and the LM head) multiplied by an
+M-row input in each form, chained so that they run one after the other as in a forward pass, interleaved
+round by round, and reports the ratio and which form ``ops.linear`` picks. Prints a markdown table
+(medians); ``--json FILE`` writes it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def _matrices(params) -> list:
+    """Every weight matrix of the target as ``[out, in]`` (heads flattened), the LM head included."""
+    import jax
+
+    mats = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if leaf.ndim < 2:
+            continue
+        name = jax.tree_util.keystr(path)
+        in_axes = 2 if "o_proj" in name else 1
+        n_in = 1
+        for d in leaf.shape[leaf.ndim - in_axes :]:
+            n_in *= d
+        mats.append(leaf.reshape(-1, n_in))
+    return mats
+
+
+def _chained(form):
+    """A jitted pass over all matrices: each product's mean nudges the next input, so they run in order."""
+    import jax
+    import jax.numpy as jnp
+
+    def run(mats, xs):
+        carry = jnp.zeros((), jnp.float32)
+        for w, x in zip(mats, xs, strict=True):
+            y = form(w, x + carry)
+            carry = jnp.mean(y) * 1e-6
+        return carry
+
+    return jax.jit(run)
+
+
+def forms():
+    """name -> ``f(w [out, in], x [M, in]) -> [M, out]``."""
+    import jax
+    import jax.numpy as jnp
+
+    from peagle_jax import ops
+
+    return {
+        "x @ W^T": lambda w, x: jnp.dot(x, w.T),
+        "W @ x^T": lambda w, x: jax.lax.optimization_barrier(jnp.dot(w, x.T)).T,
+        "ops.linear": lambda w, x: ops.linear(w, x),
+    }
+
+
+def measure(mats, rows: int, rounds: int) -> dict:
+    """Median ms of one pass over ``mats`` per form, at ``rows`` input rows."""
+    import jax
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    xs = [jax.numpy.asarray(rng.standard_normal((rows, w.shape[1]), np.float32)) for w in mats]
+    fns = {name: _chained(f) for name, f in forms().items()}
+    for f in fns.values():  # compile, then one untimed pass
+        f(mats, xs).block_until_ready()
+        f(mats, xs).block_until_ready()
+    times = {name: [] for name in fns}
+    order = list(fns)
+    for i in range(rounds):
+        for name in order[i % len(order) :] + order[: i % len(order)]:
+            t0 = time.perf_counter()
+            fns[name](mats, xs).block_until_ready()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.linear", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
+    p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256", help="row counts M, comma-separated")
+    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds per row count (default 15)")
+    p.add_argument("--json", help="also write the results to this JSON file")
+    args = p.parse_args(argv)
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+        if min(rows) < 1 or args.rounds < 1:
+            raise ValueError
+    except ValueError:
+        print(f"error: --rows must be positive integers and --rounds >= 1 (got {args.rows!r})", file=sys.stderr)
+        return 2
+    from tqdm import tqdm
+
+    from peagle_jax import ops
+    from peagle_jax.checkpoint import load_target_any
+    from peagle_jax.errors import UserError
+    from peagle_jax.generate import resolve_model_dir
+
+    try:
+        cfg, params = load_target_any(resolve_model_dir(args.model))
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    mats = _matrices(params)
+    mb = sum(w.nbytes for w in mats) / 2**20
+    results = []
+    for m in tqdm(rows, desc="row counts", file=sys.stderr):
+        ms = measure(mats, m, args.rounds)
+        picks = "W @ x^T" if m <= ops.SMALL_ROWS else "x @ W^T"
+        results.append({"rows": m, "ms": ms, "ratio": ms["W @ x^T"] / ms["x @ W^T"], "picks": picks})
+    print(f"{len(mats)} weight matrices, {mb:.0f} MiB ({cfg.dtype}); median ms per pass of {args.rounds} rounds\n")
+    print("| rows M | x @ W^T | W @ x^T (barrier) | W @ x^T / x @ W^T | ops.linear picks | ops.linear |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        ms = r["ms"]
+        print(
+            f"| {r['rows']} | {ms['x @ W^T']:.1f} ms | {ms['W @ x^T']:.1f} ms | {r['ratio']:.2f}x | {r['picks']} "
+            f"| {ms['ops.linear']:.1f} ms |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": str(args.model), "weights_mib": mb, "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
