@@ -20,14 +20,15 @@ import time
 
 
 def _matrices(params) -> list:
-    """Every weight matrix of the target as ``[out, in]`` (heads flattened), the LM head included."""
+    """Every weight matrix of the target's products as ``[out, in]`` (heads flattened): the projections and
+    the LM head (the embedding where tied; an untied embedding is a lookup, not a product)."""
     import jax
 
     mats = []
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        if leaf.ndim < 2:
-            continue
         name = jax.tree_util.keystr(path)
+        if leaf.ndim < 2 or ("embed_tokens" in name and "lm_head" in params):
+            continue
         in_axes = 2 if "o_proj" in name else 1
         n_in = 1
         for d in leaf.shape[leaf.ndim - in_axes :]:
