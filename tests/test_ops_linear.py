@@ -18,7 +18,7 @@ def _reference(w, x, in_axes):
     return out.reshape(*x.shape[: x.ndim - in_axes], *w.shape[: w.ndim - in_axes])
 
 
-@pytest.mark.parametrize("rows", [1, 3, ops.SMALL_ROWS, ops.SMALL_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 3, 5, 17, ops.SMALL_ROWS, ops.SMALL_ROWS + 1])
 @pytest.mark.parametrize("in_axes", [1, 2])
 def test_linear_equals_reference(rows, in_axes):
     rng = np.random.default_rng(rows)
@@ -54,11 +54,15 @@ def test_bfloat16_with_float32_accumulation():
     np.testing.assert_allclose(np.asarray(got), _reference(w.astype(jnp.float32), x.astype(jnp.float32), 1), rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [2, 4, 16])
+def test_padded_rows():
+    assert [ops.padded_rows(m) for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 100)] == [1, 2, 4, 4, 8, 8, 16, 16, 17, 100]
+
+
+@pytest.mark.parametrize("rows", [2, 4, 5, 16, 20])
 def test_compiled_product_keeps_weight_as_left_operand(rows):
     """A few rows feeding the next layer (a verify's or a small batch's forward): the compiled dot must
-    produce ``[out, rows]`` (W streamed in place), not ``[rows, out]`` (W repacked on every call), which
-    is what XLA turns the unguarded ``(W @ x^T)^T`` into."""
+    produce ``[out, rows]`` (W streamed in place; rows padded to :func:`ops.padded_rows`), not
+    ``[rows, out]`` (W repacked on every call), which is what XLA turns the unguarded ``(W @ x^T)^T`` into."""
     w1 = jnp.ones((96, 32), jnp.float32)
     w2 = jnp.ones((32, 96), jnp.float32)
 
@@ -67,4 +71,5 @@ def test_compiled_product_keeps_weight_as_left_operand(rows):
 
     text = jax.jit(two_layers).lower(w1, w2, jnp.ones((rows, 32))).compile().as_text()
     shapes = re.findall(r"= f32\[([\d,]+)\]\{[\d,]*\} dot\(", text)
-    assert sorted(shapes) == sorted([f"96,{rows}", f"32,{rows}"]), shapes
+    padded = ops.padded_rows(rows)
+    assert sorted(shapes) == sorted([f"96,{padded}", f"32,{padded}"]), shapes
