@@ -19,7 +19,8 @@ row bucket before serving (:meth:`record` without counts). While a shorter K' wi
 one now and then, so that the acceptance estimate stays current: every ``explore_every`` steps times how much
 slower that one is, and twice as long after each exploration that did not bring it closer to winning, up to
 ``max_explore_gap`` times ``explore_every`` (so a drafter that keeps losing costs ~0.2% of the steps, not
-~2%); the interval starts over when an exploration narrows the gap by a quarter or the longest K' wins. Outputs never
+~2%); the interval starts over when an exploration narrows the gap by a quarter against the last one at the
+same row bucket, or the longest K' wins. Outputs never
 depend on the choice: every K' commits exactly the tokens of plain decoding (greedy and sampled alike, see
 :mod:`peagle_jax.verify`), so the policy changes only the speed.
 """
@@ -63,7 +64,7 @@ class AdaptiveK:
         self.steps = 0
         self.explored = 0  # the step that last ran the longest K' to refresh the acceptance estimate
         self.backoff = 0  # explorations since the longest K' last won or gained: each doubles the interval
-        self.explored_gap = None  # how much slower the longest K' was when it was last explored
+        self.explored_gap: dict[int, float] = {}  # rows -> how much slower the longest K' was when last explored
 
     def acceptance(self) -> np.ndarray:
         """``p_d`` per depth d = 1..K: the rate of accepting depth d having accepted d - 1."""
@@ -103,10 +104,12 @@ class AdaptiveK:
             self.backoff = 0
             return best
         gap = min(score[best] / max(score[self.K], 1e-12), 8.0)  # how much slower exploring is
-        if self.explored_gap is not None and gap < 0.75 * self.explored_gap:  # it is catching up: look again soon
-            self.backoff, self.explored_gap = 0, gap
+        # Catching up, compared at the same row bucket (a move to a bucket where drafting loses by less is a
+        # change of load, not of the traffic): look again soon.
+        if rows in self.explored_gap and gap < 0.75 * self.explored_gap[rows]:
+            self.backoff, self.explored_gap[rows] = 0, gap
         if self.steps - self.explored >= self.explore_every * min(gap * 2.0**self.backoff, self.max_explore_gap):
-            self.explored, self.explored_gap = self.steps, gap
+            self.explored, self.explored_gap[rows] = self.steps, gap
             self.backoff = min(self.backoff + 1, 16)
             return self.K
         return best

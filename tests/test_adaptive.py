@@ -132,3 +132,16 @@ def test_adaptive_generator_stream_equals_plain_decoding():
         assert got == want
     assert spec.spec.plain_forwards > 0 and spec.spec.target_forwards > 0
     assert {k for (_, k) in spec.policy.seen} == {0, 1, 3}
+
+
+def test_load_changes_do_not_restart_the_back_off():
+    """A server's load moves between row buckets, where drafting loses by different margins (a speculative
+    step costs more over a plain one at 16 rows than at 4). Moving to the bucket where it loses by less is
+    not drafting catching up: the explorations keep backing off to every 16 x 16 steps."""
+    policy, rng = AdaptiveK([0, 1, 3], explore_every=16), np.random.default_rng(2)
+    costs = {16: {0: 1.0, 1: 1.8, 3: 2.9}, 4: {0: 1.0, 1: 1.35, 3: 1.8}}
+    chosen = []
+    for i in range(80):
+        chosen += _drive(policy, (16, 4)[i % 2], costs[(16, 4)[i % 2]], 0.25, 50, rng)
+    late = chosen[2000:]
+    assert sum(k == 3 for k in late) <= len(late) / (16 * 16) + 2  # one exploration per 256 steps
