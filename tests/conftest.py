@@ -17,6 +17,7 @@ def _free_compiled_graphs():
     yield
     jax.clear_caches()
 
+
 TINY = dict(hidden_size=64, intermediate_size=128, vocab_size=128, num_hidden_layers=4, head_dim=16)
 
 
