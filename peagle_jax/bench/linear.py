@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -29,11 +30,8 @@ def _matrices(params) -> list:
         name = jax.tree_util.keystr(path)
         if leaf.ndim < 2 or ("embed_tokens" in name and "lm_head" in params):
             continue
-        in_axes = 2 if "o_proj" in name else 1
-        n_in = 1
-        for d in leaf.shape[leaf.ndim - in_axes :]:
-            n_in *= d
-        mats.append(leaf.reshape(-1, n_in))
+        in_axes = 2 if "o_proj" in name else 1  # o_proj is [D, N, H]: it contracts heads and head dims
+        mats.append(leaf.reshape(-1, math.prod(leaf.shape[leaf.ndim - in_axes :])))
     return mats
 
 
@@ -62,7 +60,7 @@ def forms():
     return {
         "x @ W^T": lambda w, x: jnp.dot(x, w.T),
         "W @ x^T": lambda w, x: jax.lax.optimization_barrier(jnp.dot(w, x.T)).T,
-        "ops.linear": lambda w, x: ops.linear(w, x),
+        "ops.linear": ops.linear,
     }
 
 
