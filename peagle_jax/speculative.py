@@ -124,6 +124,13 @@ def flush_context(dparams, dcache, ctx_tokens_RC, ctx_aux, start_R, last_R, move
     return dcache, _write_context(ctx_aux, keep_R1X, jnp.zeros(R, jnp.int32), move_R)
 
 
+def host_copy(x: np.ndarray) -> jax.Array:
+    """A device array of a host array that will change while a graph launched on it may still run: on the
+    CPU, ``jnp.asarray`` (and ``jnp.array``'s copy, itself launched asynchronously) may read the host buffer
+    in place, so it is copied on the host first."""
+    return jnp.asarray(np.array(x, copy=True))
+
+
 QUEUE = 16  # context elements plain steps may queue before one flush_context writes them (at least K + 1)
 
 
@@ -212,13 +219,22 @@ class SpecState:
         self.ctx_count[:R] = np.where(live_R, count_R, self.ctx_count[:R])
         self.ctx_aux = write_context(self.ctx_aux, aux_RWX, jnp.zeros(R, jnp.int32), jnp.asarray(live_R))
 
-    def advance_plain(self, tokens_R, live_R) -> None:
-        """Commit a plain step (:func:`plain_step`, which already wrote the aux half): each live row's new
-        token, paired with the root's aux state, joins the context not yet drafted from, and is the next root."""
+    def advance_plain(self, live_R) -> np.ndarray:
+        """A plain step (:func:`plain_step`, which writes the root's aux state at slot ``ctx_count``) was
+        launched: each live row (among the first R = ``len(live_R)``) moves on one position and one context
+        element. Its new token, paired with that aux state, is filled in by :meth:`commit_plain` once read (a
+        following plain step may be launched before). Returns each row's context slot for it [R]."""
+        at_R = self.ctx_count[: len(live_R)].copy()
         rows = np.flatnonzero(live_R)
-        self.ctx_tokens[rows, self.ctx_count[rows]] = tokens_R[rows]
         self.ctx_count[rows] += 1
         self.q[rows] += 1
+        return at_R
+
+    def commit_plain(self, tokens_R, at_R, live_R) -> None:
+        """The read tokens of a plain step join the live rows' context (at slots ``at_R``) and become their
+        roots."""
+        rows = np.flatnonzero(live_R)
+        self.ctx_tokens[rows, at_R[rows]] = tokens_R[rows]
         self.root[rows] = tokens_R[rows]
 
 
@@ -427,15 +443,34 @@ class SpeculativeGenerator(Generator):
 
     def _plain(self, cache, dcache, state: SpecState, seeds, sampling, greedy_only: bool, live):
         """A plain step of :meth:`run_step`: one token per row, the drafter's context kept current."""
-        R, t0 = len(live), time.perf_counter()
+        t0 = time.perf_counter()
+        next_R, at, cache, dcache = self._launch_plain(cache, dcache, state, seeds, sampling, greedy_only, live)
+        next_R = np.asarray(next_R)
+        state.commit_plain(next_R, at, live)
+        self.spec.verify_s += time.perf_counter() - t0
+        return self._plain_tokens(next_R), np.ones(len(live), np.int32), cache, dcache
+
+    def _plain_tokens(self, next_R: np.ndarray) -> np.ndarray:
+        """A plain step's tokens [R] as a step's [R, K + 1] (the first column; its count is 1)."""
+        tokens = np.zeros((len(next_R), self.K + 1), np.int32)
+        tokens[:, 0] = next_R
+        return tokens
+
+    def _launch_plain(self, cache, dcache, state: SpecState, seeds, sampling, greedy_only: bool, live, root=None):
+        """Launch a plain step over the first R = ``len(live)`` rows without waiting for it
+        (:meth:`SpecState.advance_plain`). ``root`` [R] (on the device): the roots to decode, e.g. the unread
+        output of the previous plain step; by default the host's. Returns (next token [R] on the device, each
+        row's context slot for it, cache, dcache)."""
+        R = len(live)
         dcache = self.make_room(dcache, state, R)
+        # Copies: the host state moves on at once, maybe while the step still reads it.
         next_R, cache, state.ctx_aux = plain_step(
             self.params,
             cache,
             state.ctx_aux,
-            jnp.asarray(state.root[:R]),
-            jnp.asarray(state.q[:R]),
-            jnp.asarray(state.ctx_count[:R]),
+            host_copy(state.root[:R]) if root is None else root,
+            host_copy(state.q[:R]),
+            host_copy(state.ctx_count[:R]),
             jnp.asarray(live),
             seeds,
             sampling,
@@ -443,14 +478,15 @@ class SpeculativeGenerator(Generator):
             window=self.window(int(state.q[:R][live].max(initial=0)) + 1),
             greedy_only=greedy_only,
         )
-        next_R = np.asarray(next_R)
-        state.advance_plain(next_R, live)
-        tokens = np.zeros((R, self.K + 1), np.int32)
-        tokens[:, 0] = next_R
+        at = state.advance_plain(live)
         self.stats.decode_steps += 1
-        self.spec.plain_forwards += int(live.sum())
-        self.spec.verify_s += time.perf_counter() - t0
-        return tokens, np.ones(R, np.int32), cache, dcache
+        self.spec.plain_forwards += int(np.sum(live))
+        return next_R, at, cache, dcache
+
+    def needs_flush(self, state: SpecState, rows: int, full: int | None = None) -> bool:
+        """Whether :meth:`make_room` would write the pending context (one of the first ``rows`` rows holds
+        ``full``, by default Q, or more queued elements)."""
+        return bool((state.ctx_count[:rows] >= (full or self.Q)).any())
 
     def make_room(self, dcache, state: SpecState, rows: int, full: int | None = None):
         """Where one of the first ``rows`` rows holds ``full`` (default Q: before a plain step, whose element
@@ -462,16 +498,16 @@ class SpeculativeGenerator(Generator):
         are written again before any query sees them), so this changes no output. Returns the drafter
         cache; ``state`` is updated in place."""
         Q = self.Q
-        count = state.ctx_count[:rows]
-        if not (count >= (full or Q)).any():
+        if not self.needs_flush(state, rows, full):
             return dcache
-        start, move = state.ctx_start[:rows], count >= 2
+        count, start = state.ctx_count[:rows], state.ctx_start[:rows]
+        move = count >= 2
         dcache, state.ctx_aux = flush_context(
             self.dparams,
             dcache,
-            jnp.asarray(state.ctx_tokens[:rows]),
+            host_copy(state.ctx_tokens[:rows]),  # the host state changes below, maybe while the graph runs
             state.ctx_aux,
-            jnp.asarray(start),
+            host_copy(start),
             jnp.asarray(count - 1),
             jnp.asarray(move),
             self.embed,
@@ -512,11 +548,53 @@ class SpeculativeGenerator(Generator):
         for b in range(n):  # the first token comes from the prefill
             self._emit(b, [int(first[b])], gained, produced, done, stops, max_new_tokens)
         yield gained
+        # Plain steps (the adaptive policy's choice where drafting does not pay) run as the plain engine's
+        # do: the next one is launched, on the unread token of the last, before the host reads that token,
+        # so the host's bookkeeping (and the caller's) overlaps the device's work. ``pending``: a launched
+        # plain step not read yet (next token on the device, context slots, live rows, launch time);
+        # ``chosen``: the step chosen while it ran, when it could not be launched before the read.
+        pending, chosen, t_read = None, None, time.perf_counter()
         while not done.all():
             live = ~done
-            tokens, count, _, cache, dcache = self.run_step(
-                cache, dcache, state, seeds, sampling, greedy_only=greedy_only, live=live, policy=self.policy
-            )
+            tree = chosen or (self.choices[self.policy.choose(B)] if self.policy is not None else self.tree)
+            chosen = None
+            if pending is None and tree.depth:
+                t0 = time.perf_counter()
+                tokens, count, _, cache, dcache = self.run_step(
+                    cache, dcache, state, seeds, sampling, greedy_only=greedy_only, live=live, tree=tree
+                )
+                if self.policy is not None:
+                    self.policy.record(B, tree.depth, time.perf_counter() - t0, count[live])
+            elif pending is None:  # the first of a run of plain steps: launched, then the next one is chosen
+                t0 = time.perf_counter()
+                next_B, at, cache, dcache = self._launch_plain(cache, dcache, state, seeds, sampling, greedy_only, live)
+                pending = (next_B, at, live, t0)
+                continue
+            else:
+                following = None
+                live_next = live & (produced + 1 < max_new_tokens)  # rows that may want a token after pending's
+                if not tree.depth and live_next.any() and not self.needs_flush(state, B):
+                    # (a flush embeds the queued tokens: it waits until pending's are read). Every row live now
+                    # was live in pending, whose output is its root; the finished rows idle on any token.
+                    t0 = time.perf_counter()
+                    next_B, at, cache, dcache = self._launch_plain(
+                        cache, dcache, state, seeds, sampling, greedy_only, live_next, root=pending[0]
+                    )
+                    following = (next_B, at, live_next, t0)
+                else:
+                    chosen = tree
+                next_B, at, was_live, t_launch = pending
+                next_B = np.asarray(next_B)
+                state.commit_plain(next_B, at, was_live)
+                # Its time: from its launch, or when it was launched before the last read (overlapped), from
+                # that read (the period of a run of plain steps).
+                now = time.perf_counter()
+                seconds, t_read = now - max(t_launch, t_read), now
+                self.spec.verify_s += seconds
+                if self.policy is not None:
+                    self.policy.record(B, 0, seconds)
+                tokens, count, pending = self._plain_tokens(next_B), np.ones(B, np.int32), following
+                live = was_live & live
             t2 = time.perf_counter()
             gained = [[] for _ in range(n)]
             for b in range(n):

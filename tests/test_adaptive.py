@@ -134,6 +134,60 @@ def test_adaptive_generator_stream_equals_plain_decoding():
     assert {k for (_, k) in spec.policy.seen} == {0, 1, 3}
 
 
+class _Scripted:
+    """A stand-in policy that plays a fixed sequence of step lengths (then plain steps) and keeps what it
+    was told."""
+
+    def __init__(self, script):
+        self.script, self.candidates, self.recorded = list(script), (0, 1, 3), []
+
+    def choose(self, rows):
+        return self.script.pop(0) if self.script else 0
+
+    def record(self, rows, k, seconds, counts=()):
+        self.recorded.append((k, seconds))
+
+
+def test_plain_runs_overlap_the_host_and_keep_every_token():
+    """Runs of plain steps launch the next step on the unread token of the last (as the plain engine does):
+    outputs still equal plain decoding with stop tokens, rows finishing at different steps, drafts in
+    between and the drafter's context flushed every 16 queued elements; each step's time is recorded."""
+    import jax
+    from test_serve_slots import CFG, DCFG, MAX_SEQ, _scaled
+
+    from peagle_jax import model as M
+    from peagle_jax.drafter.model import init_drafter_params
+    from peagle_jax.engine import Generator
+    from peagle_jax.speculative import SpeculativeGenerator
+
+    params = _scaled(M.init_params(CFG, jax.random.key(1)), 30)
+    dparams = _scaled(init_drafter_params(DCFG, jax.random.key(2)), 30)
+    prompts = [[1, 2, 3, 4, 1, 2], [3, 4, 1], [0, 0, 1, 1, 2, 4, 4]]
+    plain = Generator(CFG, params, max_seq_len=MAX_SEQ)
+    spec = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, max_seq_len=MAX_SEQ, adaptive=True)
+    overlapped = []
+    launch = spec._launch_plain
+
+    def spy(*args, root=None, **kw):
+        overlapped.append(root is not None)
+        return launch(*args, root=root, **kw)
+
+    spec._launch_plain = spy
+    script = [0] * 18 + [3, 0, 0, 1] + [0] * 5 + [3, 3]
+    # Greedy with stop token 4: row 2 stops after 2 tokens, row 1 after 27, row 0 after 36 (of 6 ids).
+    for kw in (dict(temperature=0.0, stop_token_ids=[4]), dict(temperature=0.9, top_p=0.9, seed=4)):
+        kw = dict(stop_token_ids=[], max_new_tokens=45) | kw
+        want = [r.token_ids for r in plain.generate(prompts, **kw)]
+        spec.policy = _Scripted(script)
+        got = [r.token_ids for r in spec.generate(prompts, **kw)]
+        assert got == want
+        assert [len(t) for t in got] == ([36, 27, 2] if kw["stop_token_ids"] else [45] * 3)
+        assert [k for k, _ in spec.policy.recorded].count(3) == 3
+        assert all(s > 0 for _, s in spec.policy.recorded)
+    assert sum(overlapped) > len(overlapped) / 2  # most plain steps were launched before the last was read
+    assert not all(overlapped)
+
+
 def test_load_changes_do_not_restart_the_back_off():
     """A server's load moves between row buckets, where drafting loses by different margins (a speculative
     step costs more over a plain one at 16 rows than at 4). Moving to the bucket where it loses by less is
