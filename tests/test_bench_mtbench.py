@@ -181,3 +181,25 @@ def test_a_stopped_bench_resumes(tiny_setup, tmp_path):
     assert [r["acceptance_length"] for r in res["acceptance"]][0] == 42.0
     assert res["acceptance"][1] == saved["acceptance"][1]
     assert not (out / "progress.json").exists()
+    # --speed-only: the speed part again, the acceptance rows read back (the marker stays), none rerun.
+    (out / "results.json").write_text(json.dumps(res | {"speed": []}))
+    proc = _bench(tiny_setup, out, *small, "--speed-ks", "1", "--speed-only")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    again = json.loads((out / "results.json").read_text())
+    assert again["acceptance"] == res["acceptance"]
+    assert {r["method"] for r in again["speed"]} >= {"plain", "P-EAGLE K=1", "EAGLE-3 K=1"}
+
+
+def test_speed_only_refuses_other_settings(tmp_path):
+    from peagle_jax.bench.mtbench import earlier_acceptance
+
+    this = {"questions": 3, "max_new_tokens": 8}
+    with pytest.raises(UserError, match="results.json of an earlier run"):
+        earlier_acceptance(tmp_path / "results.json", this, [0.0])
+    rows = [{"method": "P-EAGLE", "shape": "K=1", "temperature": 0.0}, {"temperature": 0.7}]
+    (tmp_path / "results.json").write_text(json.dumps(this | {"acceptance": rows}))
+    assert earlier_acceptance(tmp_path / "results.json", this, [0.0]) == rows[:1]
+    with pytest.raises(UserError, match="max_new_tokens=8, this run 16"):
+        earlier_acceptance(tmp_path / "results.json", this | {"max_new_tokens": 16}, [0.0])
+    with pytest.raises(UserError, match="no acceptance rows at T=0.5"):
+        earlier_acceptance(tmp_path / "results.json", this, [0.5])

@@ -247,10 +247,69 @@ def plain_and_spec(args):
     return model_dir, tok, plain, make, cfg, "eagle3" in drafters
 
 
-def run(args) -> dict:
+def acceptance_part(args, plain, make, prompts, configs, temps, sampled, signature, kw) -> list[dict]:
+    """Acceptance of every configuration at every temperature, against plain decoding's references (saved
+    in ``OUT/progress.json`` after each run, so that ``--resume`` continues a stopped run)."""
     import jax
 
-    from peagle_jax.bench.progress import Progress, digest
+    from peagle_jax.bench.progress import Progress
+
+    per_temp = [len(configs) + 1] + [
+        1 + sum(1 for _, _, c in configs if c.get("k") is None or c["k"] in sampled) for _ in temps[1:]
+    ]
+    progress = Progress(Path(args.out) / "progress.json", signature, resume=args.resume)
+    bar = tqdm(total=sum(per_temp), initial=progress.finished, desc="acceptance", unit="run", disable=not args.progress)
+    references = {}
+    for temp in temps:
+        references[temp] = progress.reference(temp)
+        if references[temp] is None:
+            references[temp] = generate_all(plain, prompts, temperature=temp, **kw)
+            progress.set_reference(temp, references[temp])
+            bar.update(1)
+    # One speculative generator alive at a time (each holds its caches and compiled graphs): config-major.
+    for method, shape, spec in configs:
+        todo = [
+            t
+            for t in temps
+            if (t == temps[0] or spec.get("k") is None or spec["k"] in sampled)
+            and progress.row(method, shape, t) is None
+        ]
+        if not todo:
+            continue
+        gen = make(**spec)
+        for temp in todo:
+            name = f"{method} {shape} T={temp}"
+            r = acceptance_run(gen, prompts, references[temp], name=name, temperature=temp, **kw)
+            progress.add({"method": method, "shape": shape, "temperature": temp, "K": gen.K, **r})
+            bar.update(1)
+        del gen
+        jax.clear_caches()  # its compiled graphs are not used again (memory, and the process's memory maps)
+    bar.close()
+    return sorted(
+        (r for r in progress.data["acceptance"] if r["temperature"] in temps),
+        key=lambda r: temps.index(r["temperature"]),
+    )
+
+
+def earlier_acceptance(path: Path, res: dict, temps: list[float]) -> list[dict]:
+    """``--speed-only``: the acceptance rows of an earlier complete run (acceptance does not depend on the
+    machine's speed), refused unless it measured the same number of questions and answer length."""
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"--speed-only needs the results.json of an earlier run in --out: {e}") from None
+    for key in ("questions", "max_new_tokens"):
+        if earlier.get(key) != res[key]:
+            raise UserError(f"--speed-only: {path} has {key}={earlier.get(key)}, this run {res[key]}")
+    rows = [r for r in earlier.get("acceptance", []) if r["temperature"] in temps]
+    if not any(r["temperature"] == temps[0] for r in rows):
+        raise UserError(f"--speed-only: {path} holds no acceptance rows at T={temps[0]}")
+    return rows
+
+
+def run(args) -> dict:
+
+    from peagle_jax.bench.progress import digest
     from peagle_jax.verify import parse_tree
 
     model_dir, tok, plain, make, cfg, has_eagle3 = plain_and_spec(args)
@@ -276,9 +335,6 @@ def run(args) -> dict:
     sampled = [int(k) for k in args.sampled_ks.split(",")] if args.sampled_ks else ks
     res = {"questions": len(prompts), "max_new_tokens": args.max_new_tokens, "acceptance": [], "speed": []}
     temps = [float(t) for t in args.temperatures.split(",")]
-    per_temp = [len(configs) + 1] + [
-        1 + sum(1 for _, _, c in configs if c.get("k") is None or c["k"] in sampled) for _ in temps[1:]
-    ]
     signature = {
         "model": str(model_dir),
         "drafter": str(args.drafter),
@@ -287,40 +343,11 @@ def run(args) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "stops": stops,
     }
-    progress = Progress(Path(args.out) / "progress.json", signature, resume=args.resume)
-    bar = tqdm(total=sum(per_temp), initial=progress.finished, desc="acceptance", unit="run", disable=not args.progress)
-    references = {}
-    for temp in temps:
-        references[temp] = progress.reference(temp)
-        if references[temp] is None:
-            references[temp] = generate_all(plain, prompts, temperature=temp, **kw)
-            progress.set_reference(temp, references[temp])
-            bar.update(1)
-    specs = {}
-    # One speculative generator alive at a time (each holds its caches and compiled graphs): config-major.
-    for method, shape, spec in configs:
-        specs[(method, shape)] = spec
-        todo = [
-            t
-            for t in temps
-            if (t == temps[0] or spec.get("k") is None or spec["k"] in sampled)
-            and progress.row(method, shape, t) is None
-        ]
-        if not todo:
-            continue
-        gen = make(**spec)
-        for temp in todo:
-            name = f"{method} {shape} T={temp}"
-            r = acceptance_run(gen, prompts, references[temp], name=name, temperature=temp, **kw)
-            progress.add({"method": method, "shape": shape, "temperature": temp, "K": gen.K, **r})
-            bar.update(1)
-        del gen
-        jax.clear_caches()  # its compiled graphs are not used again (memory, and the process's memory maps)
-    res["acceptance"] = sorted(
-        (r for r in progress.data["acceptance"] if r["temperature"] in temps),
-        key=lambda r: temps.index(r["temperature"]),
-    )
-    bar.close()
+    specs = {(method, shape): spec for method, shape, spec in configs}
+    if args.speed_only:
+        res["acceptance"] = earlier_acceptance(Path(args.out) / "results.json", res, temps)
+    else:
+        res["acceptance"] = acceptance_part(args, plain, make, prompts, configs, temps, sampled, signature, kw)
 
     greedy = [r for r in res["acceptance"] if r["temperature"] == temps[0] and r["method"] != "P-EAGLE tree"]
     if args.speed_ks:
@@ -427,6 +454,11 @@ def main(argv=None) -> int:
     p.add_argument("--transformers", action="store_true", help="also time transformers' generate() (needs torch)")
     p.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument(
+        "--speed-only",
+        action="store_true",
+        help="rerun only the speed part; the acceptance rows are read from OUT/results.json of an earlier run",
+    )
     p.add_argument(
         "--resume",
         action="store_true",
