@@ -16,8 +16,9 @@ from peagle_jax.drafter import draft as D
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.model import init_drafter_params
 from peagle_jax.engine import Generator, RequestError, decode_step, sample_jit
-from peagle_jax.serve.slots import SlotEngine, SlotRequest, put_row
-from peagle_jax.speculative import SpeculativeGenerator, fused_step
+from peagle_jax.serve import slots as S
+from peagle_jax.serve.slots import SlotEngine, SlotRequest, merge_roots, put_row
+from peagle_jax.speculative import SpeculativeGenerator, flush_context, fused_step, plain_step
 
 # A 6-token vocabulary and large weights, as in test_speculative: drafts are then accepted at every depth.
 CFG = ModelConfig(
@@ -92,10 +93,14 @@ def _run(engine, requests, arrive_every=2, cancel=None):
 
 
 @pytest.mark.parametrize("max_batch", [1, 3])
-def test_plain_slots_equal_generator(models, max_batch):
+def test_plain_slots_equal_generator(models, max_batch, monkeypatch):
+    """Also covers the overlapped plain steps: most are launched on the unread tokens of the last, and
+    requests admitted meanwhile feed their first token from the host (merge_roots)."""
     params, _ = models
     gen = Generator(CFG, params, max_seq_len=MAX_SEQ)
     engine = SlotEngine(gen, max_batch)
+    merges = []
+    monkeypatch.setattr(S, "merge_roots", lambda *a: merges.append(a) or merge_roots(*a))
     outs, finish = _run(engine, REQUESTS, cancel=(6, 4))
     for i, r in enumerate(REQUESTS):
         ref = _reference(gen, r)
@@ -105,6 +110,7 @@ def test_plain_slots_equal_generator(models, max_batch):
         assert outs[i] == ref, i
         assert finish[i] == ("stop" if ref[-1] in (r[6] or ()) else "length")
     assert engine.active == 0 and engine.free == max_batch
+    assert engine.overlapped > engine.steps_by_k[0] // 2 and (max_batch == 1 or merges)
 
 
 @pytest.mark.parametrize(
@@ -172,7 +178,7 @@ def test_plain_steps_in_a_speculative_engine_equal_generators(models, fused, seq
     outs, _ = _run(engine, REQUESTS, arrive_every=1)
     refs = [_reference(plain, r) for r in REQUESTS]
     assert outs == refs
-    assert engine.steps_by_k[0] > 0 and engine.steps_by_k[3] > 0
+    assert engine.steps_by_k[0] > 0 and engine.steps_by_k[3] > 0 and engine.overlapped > 0
     assert spec.spec.plain_forwards > 0
 
     class Forced(SlotEngine):
@@ -215,6 +221,7 @@ def test_plain_steps_write_the_drafter_cache_a_draft_would(models):
         while engine.state.ctx_start[:2].min() < 25:
             engine.step()
     assert set(engines[0].steps_by_k) == {0} and set(engines[1].steps_by_k) == {0, 3}
+    assert engines[0].overlapped > engines[0].steps_by_k[0] // 2  # plain steps overlap, except before a flush
     assert set(engines[2].steps_by_k) == {3}
     for b in range(2):
         committed = min(int(e.state.ctx_start[b]) for e in engines)
@@ -269,10 +276,11 @@ def test_no_compiles_after_warmup(models, speculative):
     if speculative:
         gen = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, max_seq_len=MAX_SEQ)
         graphs = (M.prefill, sample_jit, put_row, V.verify, D.parallel_draft, D.drafter_prefill, fused_step)
+        graphs += (plain_step, flush_context, merge_roots)
         load_k = [(3, 2), (4, 0)]
     else:
         gen = Generator(CFG, params, max_seq_len=MAX_SEQ)
-        graphs = (M.prefill, sample_jit, put_row, decode_step)
+        graphs = (M.prefill, sample_jit, put_row, decode_step, merge_roots)
         load_k = []
     engine = SlotEngine(gen, 4, load_k=load_k)
     assert engine.row_buckets == (1, 2, 4)
@@ -291,7 +299,7 @@ def test_no_compiles_after_warmup(models, speculative):
 def test_no_compiles_after_warmup_adaptive(models):
     params, dparams = models
     gen = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, max_seq_len=MAX_SEQ)
-    graphs = (M.prefill, sample_jit, put_row, V.verify, D.parallel_draft, D.drafter_prefill)
+    graphs = (M.prefill, sample_jit, put_row, V.verify, D.parallel_draft, D.drafter_prefill, plain_step, merge_roots)
     engine = SlotEngine(gen, 4, adaptive=True)
     engine.warmup()
     policy = engine.policy

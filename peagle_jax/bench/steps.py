@@ -41,6 +41,8 @@ def measure(plain_gen, spec_gen, prompt, rows: int, steps: int, progress=None) -
     K = spec_gen.K
     modes = {"plain": None, 0: chain(0), 1: chain(1), K: spec_gen.tree}
     engines = {m: SlotEngine(plain_gen if m == "plain" else spec_gen, rows) for m in modes}
+    for eng in engines.values():
+        eng.overlap = False  # each step read by its own call: the loop times one step of each mode in turn
     max_new = spec_gen.max_seq_len - len(prompt) - 1
     # Every step stays inside the prompt's attention window (the requests restart before leaving it), so
     # that each mode compiles one graph per step length, in the untimed steps below: a process that compiles

@@ -5,7 +5,14 @@ context of every row). A request is prefilled alone as a 1-row batch with the ge
 graph (plus the drafter prefill), and its row is copied into a free slot by one jitted fixed-shape update
 (:func:`put_row`, the slot index is data). Each :meth:`SlotEngine.step` then advances every slot at once
 with the same graphs the batch generators use: :func:`peagle_jax.engine.decode_step` for plain decoding,
-:meth:`peagle_jax.speculative.SpeculativeGenerator.run_step` (draft -> verify, or a plain step) with a drafter.
+:meth:`peagle_jax.speculative.SpeculativeGenerator.run_step` (draft -> verify) or a plain step with a drafter.
+
+Plain steps (every step without a drafter; the steps where the adaptive policy or a load threshold does not
+draft) overlap the host the way :meth:`peagle_jax.engine.Generator.stream` does: a step launches the next
+plain step on the unread device-side tokens of the last before it reads them, so the host's bookkeeping
+(events, admissions) runs while the device decodes. A row whose request ended in the step being read, or
+left (cancelled), has its token of the following step dropped; a row admitted since the last launch feeds
+its first token from the host (:func:`merge_roots`).
 
 Invariants. A free slot still runs through the step (shapes never change) at a small position inside its
 own row, so it writes only its own row and nothing reads it; admitting a request overwrites the whole row.
@@ -34,7 +41,7 @@ from peagle_jax.drafter.model import new_drafter_cache
 from peagle_jax.engine import Generator, RequestError, decode_step, sample_jit
 from peagle_jax.platform import MapBudget
 from peagle_jax.sampling import SamplingParams, check_sampling_args
-from peagle_jax.speculative import SpecState, SpeculativeGenerator
+from peagle_jax.speculative import SpecState, SpeculativeGenerator, host_copy
 from peagle_jax.verify import Tree, chain
 
 _ids = itertools.count(1)
@@ -70,6 +77,30 @@ class _Slot:
     request: SlotRequest
     stops: frozenset[int]
     produced: int = 0
+
+
+@jax.jit
+def merge_roots(fresh_R, host_R, device_R):
+    """The tokens a plain step feeds: the host's for the ``fresh`` rows (admitted since the last launch),
+    else the previous step's unread output."""
+    return jnp.where(fresh_R, host_R, device_R)
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A plain step launched and not read yet: each row's next token on the device, the rows whose token
+    counts (``live``, [R]) and the request each held at launch, the context slots of the tokens (speculative
+    engine: :meth:`SpecState.advance_plain`) and the launch time."""
+
+    next_R: jax.Array
+    live: np.ndarray
+    ids: list[int | None]
+    at: np.ndarray | None
+    t_launch: float
+
+    @property
+    def R(self) -> int:
+        return len(self.live)
 
 
 @functools.partial(jax.jit, donate_argnames=("big",))
@@ -108,6 +139,7 @@ class SlotEngine:
         if adaptive:
             self.policy = AdaptiveK(sorted(gen.choices))
         self.steps_by_k: dict[int, int] = {}  # steps run at each K' (0: plain steps)
+        self.overlapped = 0  # plain steps launched before the last one was read
         self.slots: list[_Slot | None] = [None] * max_batch
         B = max_batch
         self.temperature = np.zeros(B, np.float32)
@@ -118,6 +150,7 @@ class SlotEngine:
         # takes the lowest free slot), so a lightly loaded server does not pay for all B rows.
         self.row_buckets = tuple(sorted({min(1 << i, B) for i in range(B.bit_length() + 1)}))
         self._device_params = {}
+        self.overlap = True  # plain steps launch the next one before reading their tokens
         self.reset()
 
     def describe(self) -> str:
@@ -152,6 +185,9 @@ class SlotEngine:
             self.pending = np.zeros(B, np.int32)  # the token each row feeds next, at ``positions``
             self.positions = np.zeros(B, np.int32)
         self.slots = [None] * B
+        self._launched: _Launched | None = None  # a plain step not read yet
+        self._chosen: tuple[int, Tree] | None = None  # (rows, tree) chosen while it ran, for the next step
+        self._t_read = self._t_admit = 0.0  # when a step's tokens were last read; when a request was admitted
 
     # -- bookkeeping -------------------------------------------------------------------------------------
 
@@ -173,12 +209,10 @@ class SlotEngine:
 
     def _sampling(self, rows: int):
         """Device copies of the first ``rows`` slots' sampling parameters and seeds (kept until they change)."""
-        if rows not in self._device_params:
+        if rows not in self._device_params:  # host copies: the host arrays change while steps may run
             self._device_params[rows] = (
-                SamplingParams(
-                    jnp.asarray(self.temperature[:rows]), jnp.asarray(self.top_k[:rows]), jnp.asarray(self.top_p[:rows])
-                ),
-                jnp.asarray(self.seeds[:rows]),
+                SamplingParams(*(host_copy(x[:rows]) for x in (self.temperature, self.top_k, self.top_p))),
+                host_copy(self.seeds[:rows]),
             )
         return self._device_params[rows]
 
@@ -245,6 +279,7 @@ class SlotEngine:
         self.temperature[b], self.top_k[b], self.top_p[b] = req.temperature, req.top_k, req.top_p
         self.seeds[b] = np.uint32(req.seed & 0xFFFFFFFF)
         self._device_params = {}
+        self._t_admit = time.perf_counter()
         stops = gen.cfg.eos_token_ids if req.stop_token_ids is None else req.stop_token_ids
         self.slots[b] = _Slot(req, frozenset(int(t) for t in stops))
         return self._emit(b, [first])
@@ -267,49 +302,131 @@ class SlotEngine:
         return tree
 
     def step(self, tree: Tree | None = None) -> list[SlotEvent]:
-        """Advance every active slot by one step (1 token plain, 1..K+1 speculative); one event per slot.
-        ``tree`` overrides the load policy (:meth:`tree_for`)."""
+        """Advance the active slots by one step (1 token plain, 1..K+1 speculative) and return an event per
+        slot whose tokens it read. A plain step is read one call later: the call that launches it reads the
+        previous one (with :attr:`overlap`; the first of a run is launched and read by the same call), so a
+        request admitted since the last call gains its first step's token at the next call. ``tree``
+        overrides the policy and runs synchronously (a plain step for ``chain(0)``)."""
+        launched, self._launched = self._launched, None
+        if launched is not None and not self._valid(launched).any():
+            launched = None  # its rows all ended or left: nothing to read
+        if launched is not None and tree is not None:  # read it first, then run the given step
+            return self._read(launched, record=True) + self.step(tree)
         live = np.array([s is not None for s in self.slots])
         if not live.any():
             return []
         R = self.rows_for(live)
-        sampling, seeds = self._sampling(R)
-        greedy_only = not bool(np.any(self.temperature[live] > 0))
-        gen = self.gen
-        if self.speculative:
-            if tree is None and self.policy is None:
-                tree = self.tree_for(int(live.sum()))
-            tokens, count, k, self.cache, self.dcache = gen.run_step(
-                self.cache,
-                self.dcache,
-                self.state,
-                seeds,
-                sampling,
-                greedy_only=greedy_only,
-                live=live[:R],
-                tree=tree,
-                policy=self.policy,
-            )
-            self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
-            gained = [tokens[b, : int(count[b])] for b in range(R)]
+        if launched is None:
+            explicit = tree is not None
+            tree = tree or self._choose(R)
+            if tree.depth:
+                return self._speculative_step(live, R, tree, record=not explicit)
+            launched = self._launch(live[:R])
+            if explicit or not self.overlap:
+                return self._read(launched, record=not explicit)
+        # The next step is chosen now; a plain one is launched on the unread tokens of this one, unless a
+        # drafter-context flush is due (it embeds the queued tokens: it waits until they are read) or the
+        # row bucket changes.
+        following = self._choose(R)
+        wants = self._wants(launched, live)[:R]
+        flush = self.speculative and self.gen.needs_flush(self.state, R)
+        if not following.depth and wants.any() and launched.R == R and not flush:
+            fresh = wants & ~self._valid(launched)
+            host = self.state.root[:R] if self.speculative else self.pending[:R]
+            root = merge_roots(host_copy(fresh), host_copy(host), launched.next_R) if fresh.any() else launched.next_R
+            self._launched = self._launch(wants, root=root)
+            self.overlapped += 1
         else:
-            nxt_R, self.cache = decode_step(
+            self._chosen = (R, following)
+        return self._read(launched, record=True)
+
+    def _choose(self, R: int) -> Tree:
+        """The tree of the next step over R rows (depth 0: a plain step); a choice made while the last plain
+        step ran (and not launched) is used first."""
+        chosen, self._chosen = self._chosen, None
+        if chosen is not None and chosen[0] == R:
+            return chosen[1]
+        if not self.speculative:
+            return chain(0)
+        if self.policy is not None:
+            return self.gen.choices[self.policy.choose(R)]
+        return self.tree_for(self.active) or self.gen.tree
+
+    def _valid(self, launched: _Launched) -> np.ndarray:
+        """The rows of a launched step whose token counts: live at launch and still holding that request."""
+        return np.array(
+            [
+                rid is not None and self.slots[b] is not None and self.slots[b].request.id == rid
+                for b, rid in enumerate(launched.ids)
+            ]
+        )
+
+    def _wants(self, launched: _Launched, live) -> np.ndarray:
+        """The busy slots that want a token after ``launched``'s (those it ends by length do not)."""
+        valid = np.zeros(self.B, bool)
+        valid[: launched.R] = self._valid(launched)
+        left = [s.request.max_new_tokens - s.produced if s is not None else 0 for s in self.slots]
+        return np.array([live[b] and valid[b] < left[b] for b in range(self.B)])
+
+    def _launch(self, live_R, root=None) -> _Launched:
+        """Launch a plain step over the first R = ``len(live_R)`` rows without waiting for it; ``root`` [R]:
+        the tokens to feed (on the device), by default the host's."""
+        gen, R = self.gen, len(live_R)
+        sampling, seeds = self._sampling(R)
+        greedy_only = not bool(np.any(self.temperature[:R][live_R] > 0))
+        at = None
+        if self.speculative:
+            next_R, at, self.cache, self.dcache = gen._launch_plain(
+                self.cache, self.dcache, self.state, seeds, sampling, greedy_only, live_R, root=root
+            )
+        else:
+            positions = self.positions[:R]
+            next_R, self.cache = decode_step(
                 gen.params,
                 self.cache,
-                jnp.asarray(self.pending[:R]),
-                jnp.asarray(self.positions[:R]),
+                host_copy(self.pending[:R]) if root is None else root,
+                host_copy(positions),
                 seeds,
                 sampling,
                 cfg=gen.cfg,
                 greedy_only=greedy_only,
-                window=gen.window(int(self.positions[live].max()) + 1),
+                window=gen.window(int(positions[live_R].max()) + 1),
             )
-            nxt = np.zeros(self.B, np.int32)
-            nxt[:R] = np.asarray(nxt_R)
-            self.pending = np.where(live, nxt, self.pending).astype(np.int32)
-            self.positions = self.positions + live.astype(np.int32)
-            gained = [nxt[b : b + 1] for b in range(self.B)]
-        return [self._emit(b, gained[b]) for b in np.flatnonzero(live)]
+            positions += live_R.astype(np.int32)  # in place: the first R of self.positions
+        self.steps_by_k[0] = self.steps_by_k.get(0, 0) + 1
+        ids = [self.slots[b].request.id if live_R[b] else None for b in range(R)]
+        return _Launched(next_R, np.array(live_R, bool), ids, at, time.perf_counter())
+
+    def _read(self, launched: _Launched, record: bool) -> list[SlotEvent]:
+        """Read a launched plain step's tokens, commit them for its valid rows and emit their events. Its time
+        for the policy runs from its launch, or from the last read when it was launched before that read (the
+        period of a run of plain steps); not recorded when a request was admitted meanwhile (a prefill)."""
+        next_R = np.asarray(launched.next_R)
+        now = time.perf_counter()
+        start, self._t_read = max(launched.t_launch, self._t_read), now
+        valid = self._valid(launched)
+        if self.speculative:
+            self.state.commit_plain(next_R, launched.at, valid)
+            self.gen.spec.verify_s += now - start
+        else:
+            self.pending[: launched.R] = np.where(valid, next_R, self.pending[: launched.R])
+        if record and self.policy is not None and self._t_admit < start:
+            self.policy.record(launched.R, 0, now - start)
+        return [self._emit(b, next_R[b : b + 1]) for b in np.flatnonzero(valid)]
+
+    def _speculative_step(self, live, R: int, tree: Tree, record: bool) -> list[SlotEvent]:
+        """A draft -> verify step of ``tree`` over the first R rows, read at once."""
+        sampling, seeds = self._sampling(R)
+        greedy_only = not bool(np.any(self.temperature[live] > 0))
+        t0 = time.perf_counter()
+        tokens, count, k, self.cache, self.dcache = self.gen.run_step(
+            self.cache, self.dcache, self.state, seeds, sampling, greedy_only=greedy_only, live=live[:R], tree=tree
+        )
+        self._t_read = time.perf_counter()
+        if record and self.policy is not None:
+            self.policy.record(R, k, self._t_read - t0, count[live[:R]])
+        self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
+        return [self._emit(b, tokens[b, : int(count[b])]) for b in np.flatnonzero(live)]
 
     # -- compilation -------------------------------------------------------------------------------------
 
@@ -354,6 +471,8 @@ class SlotEngine:
                     for t in (0.0, 1.0):
                         self._warm_step(w, t, tree, slot=rows - 1)
                         advance()
+        for rows in self.row_buckets:  # the root merge of an overlapped plain step (admissions since its launch)
+            merge_roots(*(jnp.zeros(rows, dt) for dt in (bool, np.int32, np.int32)))
         if self.policy is not None:  # the steps above compiled: their times and acceptance mean nothing
             self.policy = AdaptiveK(self.policy.candidates)
             for rows, k in calibration:
@@ -363,6 +482,7 @@ class SlotEngine:
         if self.speculative:
             gen.spec.reset()  # in place: the server's /metrics reads this object
         self.steps_by_k.clear()
+        self.overlapped = 0
         self.reset()
         return time.perf_counter() - t0
 
@@ -392,7 +512,7 @@ class SlotEngine:
         self._device_params = {}
         if not self.speculative:
             self.positions[b] = w - 1
-            self.step()
+            self.step(chain(0))
         else:
             s, tree = self.state, tree or gen.tree
             lower = max((x for x in gen.window_buckets if x < w), default=0)
