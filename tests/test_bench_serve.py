@@ -1,5 +1,6 @@
 """``python -m peagle_jax.bench.serve`` end to end on a tiny model: three servers (plain, speculative at a
-fixed K, the adaptive default), every level measured, the steps each server ran at each K' reported."""
+fixed K, the adaptive default, and with --sync the plain and adaptive ones reading every step before the
+next), every level measured, the steps each server ran at each K' reported."""
 
 from __future__ import annotations
 
@@ -17,19 +18,20 @@ def test_bench_serve_runs_every_mode_and_reports_steps_by_k(tmp_path, capsys):
     drafter = write_tiny_drafter(tmp_path / "drafter", k=2)
     out = tmp_path / "serve.json"
     argv = ["--model", str(model), "--drafter", str(drafter), "--k", "2", "--concurrency", "1,2", "--rounds", "2"]
-    argv += ["--max-tokens", "12", "--max-seq-len", "128", "--load-k", "2:0", "--json", str(out)]
+    argv += ["--max-tokens", "12", "--max-seq-len", "128", "--load-k", "2:0", "--sync", "--json", str(out)]
     assert bench_serve.main(argv) == 0
     table = capsys.readouterr().out
     result = json.loads(out.read_text())
     modes = list(result["modes"])
     auto, fixed = "speculative K=2, --load-k auto (default)", "speculative K=2, --load-k 2:0"
-    assert modes == ["plain", "speculative K=2", auto, fixed]
+    synced = ["plain, --sync-steps", "speculative K=2, --load-k auto, --sync-steps"]
+    assert modes == ["plain", "speculative K=2", auto, fixed, *synced]
     for name in modes:
         levels = result["modes"][name]["levels"]
         assert [r["concurrency"] for r in levels] == [1, 2]
         assert all(r["requests"] == 2 * r["concurrency"] and r["throughput_tok_s"] > 0 for r in levels)
         steps = [{int(k): n for k, n in r["steps_by_k"].items()} for r in levels]
-        if name == "plain":
+        if name.startswith("plain"):
             assert steps == [{}, {}]
         elif name == "speculative K=2":
             assert all(set(s) == {2} for s in steps)

@@ -113,6 +113,20 @@ def test_plain_slots_equal_generator(models, max_batch, monkeypatch):
     assert engine.overlapped > engine.steps_by_k[0] // 2 and (max_batch == 1 or merges)
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_synchronous_steps_equal_generators(models, speculative):
+    """``overlap = False`` (``serve --sync-steps``): every step is read by the call that launched it, outputs
+    unchanged."""
+    params, dparams = models
+    plain = Generator(CFG, params, max_seq_len=MAX_SEQ)
+    gen = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, max_seq_len=MAX_SEQ) if speculative else plain
+    engine = SlotEngine(gen, 3, load_k=[(1, 0)] if speculative else ())
+    engine.overlap = False
+    outs, _ = _run(engine, REQUESTS, cancel=(6, 4))
+    assert outs[:6] == [_reference(plain, r) for r in REQUESTS[:6]]
+    assert engine.overlapped == 0 and engine.steps_by_k[0] > 0
+
+
 @pytest.mark.parametrize(
     "k,tree,sequential,fused", [(3, None, False, False), (None, "0,1,00,10", False, True), (2, None, True, False)]
 )

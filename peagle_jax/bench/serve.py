@@ -168,6 +168,11 @@ def main(argv=None) -> int:
     p.add_argument(
         "--load-k", default="", help="also run speculation with this --load-k policy, e.g. 4:1,12:0 (default: none)"
     )
+    p.add_argument(
+        "--sync",
+        action="store_true",
+        help="also run plain and --load-k auto with --sync-steps (each step read before the next is launched)",
+    )
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts (default 1,4,16)")
     p.add_argument("--rounds", type=int, default=2, help="requests per client per level (default 2)")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default 48)")
@@ -201,6 +206,9 @@ def main(argv=None) -> int:
     }
     if args.load_k:
         modes[f"speculative K={args.k}, --load-k {args.load_k}"] = [*spec, "--load-k", args.load_k]
+    if args.sync:
+        modes["plain, --sync-steps"] = [*modes["plain"], "--sync-steps"]
+        modes[f"speculative K={args.k}, --load-k auto, --sync-steps"] = [*spec, "--load-k", "auto", "--sync-steps"]
     try:
         out = run_modes(modes, levels, model, args)
     except (RuntimeError, TimeoutError) as err:

@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="float32",
         help="weights/compute dtype (default float32)",
     )
+    p.add_argument(
+        "--sync-steps",
+        action="store_true",
+        help="read each step's tokens before launching the next (default: plain steps overlap the host; for A/B runs)",
+    )
     p.add_argument("--served-model-name", help="the `model` name clients use (default: 'smollm2' or the dir name)")
     p.add_argument("--sagemaker", action="store_true", help="SageMaker container contract (port 8080, /opt/ml/model)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
@@ -177,6 +182,7 @@ def main(argv=None) -> int:
         from peagle_jax.serve.slots import SlotEngine
 
         engine = SlotEngine(gen, args.max_batch, load_k=args.load_k, adaptive=args.adaptive_k)
+        engine.overlap = not args.sync_steps
     except (UserError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
