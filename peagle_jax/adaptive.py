@@ -114,16 +114,17 @@ class AdaptiveK:
             return self.K
         return best
 
-    def record(self, rows: int, k: int, seconds: float, counts: Sequence[int] = ()) -> None:
-        """A step of ``rows`` rows drafting ``k`` took ``seconds``; ``counts``: tokens each live row gained
-        (1 + its accepted drafts; ignored for a plain step)."""
+    def record(self, rows: int, k: int, seconds: float | None, counts: Sequence[int] = ()) -> None:
+        """A step of ``rows`` rows drafting ``k`` took ``seconds`` (None: not timed); ``counts``: tokens each
+        live row gained (1 + its accepted drafts; ignored for a plain step)."""
         key = (rows, k)
         n = self.seen.get(key, 0)
-        self.seen[key] = n + 1
-        if n == 1:
-            self.step_s[key] = seconds
-        elif n > 1:
-            self.step_s[key] += self.smoothing * (seconds - self.step_s[key])
+        if seconds is not None:
+            self.seen[key] = n + 1
+            if n == 1:
+                self.step_s[key] = seconds
+            elif n > 1:
+                self.step_s[key] += self.smoothing * (seconds - self.step_s[key])
         if k and len(counts):
             c = np.asarray(counts)[:, None]
             d = np.arange(1, k + 1)[None, :]

@@ -559,12 +559,15 @@ class SpeculativeGenerator(Generator):
             tree = chosen or (self.choices[self.policy.choose(B)] if self.policy is not None else self.tree)
             chosen = None
             if pending is None and tree.depth:
-                t0 = time.perf_counter()
                 tokens, count, _, cache, dcache = self.run_step(
                     cache, dcache, state, seeds, sampling, greedy_only=greedy_only, live=live, tree=tree
                 )
+                # Every step's time for the policy is the interval between two reads: the host's work between
+                # steps (the caller's included) is part of each step length's period alike.
+                now = time.perf_counter()
                 if self.policy is not None:
-                    self.policy.record(B, tree.depth, time.perf_counter() - t0, count[live])
+                    self.policy.record(B, tree.depth, now - t_read, count[live])
+                t_read = now
             elif pending is None:  # the first of a run of plain steps: launched, then the next one is chosen
                 t0 = time.perf_counter()
                 next_B, at, cache, dcache = self._launch_plain(cache, dcache, state, seeds, sampling, greedy_only, live)
@@ -586,13 +589,13 @@ class SpeculativeGenerator(Generator):
                 next_B, at, was_live, t_launch = pending
                 next_B = np.asarray(next_B)
                 state.commit_plain(next_B, at, was_live)
-                # Its time: from its launch, or when it was launched before the last read (overlapped), from
-                # that read (the period of a run of plain steps).
+                # Its device time runs from its launch, or when it was launched before the last read
+                # (overlapped), from that read; the policy learns the interval between reads (as above).
                 now = time.perf_counter()
-                seconds, t_read = now - max(t_launch, t_read), now
-                self.spec.verify_s += seconds
+                self.spec.verify_s += now - max(t_launch, t_read)
                 if self.policy is not None:
-                    self.policy.record(B, 0, seconds)
+                    self.policy.record(B, 0, now - t_read)
+                t_read = now
                 tokens, count, pending = self._plain_tokens(next_B), np.ones(B, np.int32), following
                 live = was_live & live
             t2 = time.perf_counter()

@@ -199,3 +199,16 @@ def test_load_changes_do_not_restart_the_back_off():
         chosen += _drive(policy, (16, 4)[i % 2], costs[(16, 4)[i % 2]], 0.25, 50, rng)
     late = chosen[2000:]
     assert sum(k == 3 for k in late) <= len(late) / (16 * 16) + 2  # one exploration per 256 steps
+
+
+def test_an_untimed_step_teaches_acceptance_only():
+    """``record(..., seconds=None)`` (the server's step after an admission, whose interval holds a prefill):
+    the acceptance counts are learnt, the step time and the timed-sample count are not."""
+    policy = AdaptiveK([0, 3])
+    for _ in range(3):
+        policy.record(1, 3, 0.03, [4])
+    before = (policy.step_s[(1, 3)], policy.seen[(1, 3)])
+    tries, accepts = policy.tries[0], policy.accepts[0]
+    policy.record(1, 3, None, [1, 1])  # two rows that reached depth 1 and rejected it
+    assert (policy.step_s[(1, 3)], policy.seen[(1, 3)]) == before
+    assert policy.tries[0] == pytest.approx(tries * 0.99 + 2) and policy.accepts[0] == pytest.approx(accepts * 0.99)

@@ -398,33 +398,37 @@ class SlotEngine:
         return _Launched(next_R, np.array(live_R, bool), ids, at, time.perf_counter())
 
     def _read(self, launched: _Launched, record: bool) -> list[SlotEvent]:
-        """Read a launched plain step's tokens, commit them for its valid rows and emit their events. Its time
-        for the policy runs from its launch, or from the last read when it was launched before that read (the
-        period of a run of plain steps); not recorded when a request was admitted meanwhile (a prefill)."""
+        """Read a launched plain step's tokens, commit them for its valid rows and emit their events; its time
+        goes to the policy (:meth:`_record`)."""
         next_R = np.asarray(launched.next_R)
         now = time.perf_counter()
-        start, self._t_read = max(launched.t_launch, self._t_read), now
+        start = max(launched.t_launch, self._t_read)
         valid = self._valid(launched)
         if self.speculative:
             self.state.commit_plain(next_R, launched.at, valid)
             self.gen.spec.verify_s += now - start
         else:
             self.pending[: launched.R] = np.where(valid, next_R, self.pending[: launched.R])
-        if record and self.policy is not None and self._t_admit < start:
-            self.policy.record(launched.R, 0, now - start)
+        self._record(launched.R, 0, now, learn=record)
         return [self._emit(b, next_R[b : b + 1]) for b in np.flatnonzero(valid)]
+
+    def _record(self, R: int, k: int, now: float, counts=(), *, learn: bool = True) -> None:
+        """A step of ``k`` over R rows was read at ``now``: the policy learns the time since the last read
+        (every step length alike: the host's work between steps, e.g. handing out events, is part of each
+        step's period; an overlapped plain step runs during it), unless a request was admitted in between
+        (a prefill: then only the acceptance ``counts`` are learnt)."""
+        if learn and self.policy is not None:
+            self.policy.record(R, k, now - self._t_read if self._t_admit < self._t_read else None, counts)
+        self._t_read = now
 
     def _speculative_step(self, live, R: int, tree: Tree, record: bool) -> list[SlotEvent]:
         """A draft -> verify step of ``tree`` over the first R rows, read at once."""
         sampling, seeds = self._sampling(R)
         greedy_only = not bool(np.any(self.temperature[live] > 0))
-        t0 = time.perf_counter()
         tokens, count, k, self.cache, self.dcache = self.gen.run_step(
             self.cache, self.dcache, self.state, seeds, sampling, greedy_only=greedy_only, live=live[:R], tree=tree
         )
-        self._t_read = time.perf_counter()
-        if record and self.policy is not None:
-            self.policy.record(R, k, self._t_read - t0, count[live[:R]])
+        self._record(R, k, time.perf_counter(), count[live[:R]], learn=record)
         self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
         return [self._emit(b, tokens[b, : int(count[b])]) for b in np.flatnonzero(live)]
 
