@@ -418,17 +418,12 @@ class SpeculativeGenerator(Generator):
         self.spec.verify_s += t2 - t1
         return tokens, count, aux, cache, dcache
 
-    def run_step(
-        self, cache, dcache, state: SpecState, seeds, sampling, *, greedy_only: bool, live, tree=None, policy=None
-    ):
-        """One step over the first R = ``len(live)`` rows of ``state`` (which may hold more), committed into
-        ``state`` for the live rows: a plain step for a tree of depth 0 (:func:`plain_step`), else draft ->
-        verify (:meth:`step`). With a ``policy`` (:class:`peagle_jax.adaptive.AdaptiveK`) and no ``tree``, the
-        policy picks the step among :attr:`choices` and learns its time. ``seeds`` and ``sampling`` are R
-        rows. Returns (tokens [R, K+1] host, count [R] host, the step's K', cache, dcache)."""
-        R, choose = len(live), tree is None and policy is not None
-        tree = self.choices[policy.choose(R)] if choose else tree or self.tree
-        t0 = time.perf_counter()
+    def run_step(self, cache, dcache, state: SpecState, seeds, sampling, *, greedy_only: bool, live, tree=None):
+        """One step of ``tree`` (default the generator's) over the first R = ``len(live)`` rows of ``state``
+        (which may hold more), committed into ``state`` for the live rows: a plain step for a tree of depth 0
+        (:func:`plain_step`), else draft -> verify (:meth:`step`). ``seeds`` and ``sampling`` are R rows.
+        Returns (tokens [R, K+1] host, count [R] host, the step's K', cache, dcache)."""
+        R, tree = len(live), tree or self.tree
         if tree.depth:
             dcache = self.make_room(dcache, state, R, full=self.K + 2)  # a draft reads at most K + 1 queued
             tokens, count, aux, cache, dcache = self.step(
@@ -437,8 +432,6 @@ class SpeculativeGenerator(Generator):
             state.advance(tokens, count, aux, live)
         else:
             tokens, count, cache, dcache = self._plain(cache, dcache, state, seeds, sampling, greedy_only, live)
-        if choose:
-            policy.record(R, tree.depth, time.perf_counter() - t0, count[live])
         return tokens, count, tree.depth, cache, dcache
 
     def _plain(self, cache, dcache, state: SpecState, seeds, sampling, greedy_only: bool, live):

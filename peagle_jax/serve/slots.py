@@ -328,17 +328,18 @@ class SlotEngine:
         # drafter-context flush is due (it embeds the queued tokens: it waits until they are read) or the
         # row bucket changes.
         following = self._choose(R)
-        wants = self._wants(launched, live)[:R]
+        valid = self._valid(launched)
+        wants = self._wants(valid, live)[:R]
         flush = self.speculative and self.gen.needs_flush(self.state, R)
         if not following.depth and wants.any() and launched.R == R and not flush:
-            fresh = wants & ~self._valid(launched)
+            fresh = wants & ~valid
             host = self.state.root[:R] if self.speculative else self.pending[:R]
             root = merge_roots(host_copy(fresh), host_copy(host), launched.next_R) if fresh.any() else launched.next_R
             self._launched = self._launch(wants, root=root)
             self.overlapped += 1
         else:
             self._chosen = (R, following)
-        return self._read(launched, record=True)
+        return self._read(launched, record=True, valid=valid)
 
     def _choose(self, R: int) -> Tree:
         """The tree of the next step over R rows (depth 0: a plain step); a choice made while the last plain
@@ -361,12 +362,13 @@ class SlotEngine:
             ]
         )
 
-    def _wants(self, launched: _Launched, live) -> np.ndarray:
-        """The busy slots that want a token after ``launched``'s (those it ends by length do not)."""
-        valid = np.zeros(self.B, bool)
-        valid[: launched.R] = self._valid(launched)
+    def _wants(self, valid_R, live) -> np.ndarray:
+        """The busy slots that want a token after those of a launched step (``valid_R``: its rows that gain
+        one, :meth:`_valid`); the rows it ends by length do not."""
+        gains = np.zeros(self.B, bool)
+        gains[: len(valid_R)] = valid_R
         left = [s.request.max_new_tokens - s.produced if s is not None else 0 for s in self.slots]
-        return np.array([live[b] and valid[b] < left[b] for b in range(self.B)])
+        return np.array([live[b] and gains[b] < left[b] for b in range(self.B)])
 
     def _launch(self, live_R, root=None) -> _Launched:
         """Launch a plain step over the first R = ``len(live_R)`` rows without waiting for it; ``root`` [R]:
@@ -397,13 +399,13 @@ class SlotEngine:
         ids = [self.slots[b].request.id if live_R[b] else None for b in range(R)]
         return _Launched(next_R, np.array(live_R, bool), ids, at, time.perf_counter())
 
-    def _read(self, launched: _Launched, record: bool) -> list[SlotEvent]:
-        """Read a launched plain step's tokens, commit them for its valid rows and emit their events; its time
-        goes to the policy (:meth:`_record`)."""
+    def _read(self, launched: _Launched, record: bool, valid=None) -> list[SlotEvent]:
+        """Read a launched plain step's tokens, commit them for its valid rows (:meth:`_valid`, unless given)
+        and emit their events; its time goes to the policy (:meth:`_record`)."""
         next_R = np.asarray(launched.next_R)
         now = time.perf_counter()
         start = max(launched.t_launch, self._t_read)
-        valid = self._valid(launched)
+        valid = self._valid(launched) if valid is None else valid
         if self.speculative:
             self.state.commit_plain(next_R, launched.at, valid)
             self.gen.spec.verify_s += now - start
