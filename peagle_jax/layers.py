@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from peagle_jax import ops
-from peagle_jax.cache import write_rows
+from peagle_jax.cache import read, write_rows
 
 _init = nn.initializers.normal(stddev=0.02)
 
@@ -101,7 +101,7 @@ class Attention(nn.Module):
         # The cache may hold more rows than this call has (a slot engine stepping only its first B rows):
         # the new entries went to rows 0..B-1, and only those rows are read.
         W = visible_BTS.shape[-1]
-        out_BTNH = ops.attention(q_BTNH, k_BGSH[:B, :, :W], v_BGSH[:B, :, :W], visible_BTS)
+        out_BTNH = ops.attention(q_BTNH, read(k_BGSH[:B, :, :W]), read(v_BGSH[:B, :, :W]), visible_BTS)
         y_BTD = Linear((s.out_dim,), in_axes=2, use_bias=s.o_bias, dtype=dt, name="o_proj")(out_BTNH)
         return y_BTD, k_BGSH, v_BGSH
 

@@ -52,7 +52,7 @@ class Transformer(nn.Module):
     def __call__(self, tokens_BT, positions_BT, start_B, visible_BTS, cache: KVCache, logits_at_BM=None):
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         embed_VD = self.param("embed_tokens", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size), dt)
-        x_BTD = jnp.take(embed_VD, tokens_BT, axis=0)
+        x_BTD = jnp.take(embed_VD, tokens_BT, axis=0).astype(dt)
         cos_BTH, sin_BTH = ops.rope_cos_sin(positions_BT, ops.rope_inv_freq(cfg.rope, cfg.head_dim))
         spec = attention_spec(cfg)
         taps, new_k, new_v = {}, [], []

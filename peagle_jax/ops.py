@@ -39,15 +39,29 @@ def linear(weight, x, in_axes: int = 1, preferred_element_type=None):
     dot repacks all of W on every call once x has two rows or more, which made a verify of 2 tokens cost
     1.8x a 1-token decode step. Measured over SmolLM2's weights (``python -m peagle_jax.bench.linear``):
     ``W @ x^T`` takes 0.6-0.8x the time of ``x @ W^T`` at 2..64 rows, 0.4-0.9x at 96..512, 0.97x at 1024.
-    Up to 16 rows, x is padded with zero rows to :func:`padded_rows`. Beyond ``SMALL_ROWS`` (training
-    batches) the product is left to the compiler, which on TPU and GPU picks the layout itself.
+    Up to 16 rows, x is padded with zero rows to :func:`padded_rows`. A bf16 weight takes its own path (see
+    the comment there: ``x @ W^T`` in bf16 with f32 accumulation, at least 4 rows). Beyond ``SMALL_ROWS``
+    (training batches) the product is left to the compiler, which on TPU and GPU picks the layout itself.
     """
     out_shape = weight.shape[: weight.ndim - in_axes]
     n_in = math.prod(weight.shape[weight.ndim - in_axes :])
     lead = x.shape[: x.ndim - in_axes]
     w_ON, x_MN = weight.reshape(-1, n_in), x.reshape(-1, n_in)
     M = x_MN.shape[0]
-    if M <= SMALL_ROWS:
+    if M <= SMALL_ROWS and weight.dtype == jnp.bfloat16:
+        # XLA's CPU library kernel for bf16 products takes ``x @ W^T`` with both operands in bf16 and f32
+        # accumulation; for one row, or written as ``W @ x^T`` like below, XLA converts all of W to f32 on
+        # every call first (5-15x slower; ``python -m peagle_jax.bench.linear --dtype bfloat16``). The barrier
+        # keeps W an operand of the product rather than of a convert. At least 4 rows: from 3 rows on, a row's
+        # result does not depend on the other rows (bit for bit; 2 rows round differently), so a decode step
+        # and a verify compute the same products for the same row.
+        P = max(4, padded_rows(M))
+        x_PN = jnp.pad(x_MN.astype(weight.dtype), ((0, P - M), (0, 0)))
+        y_PO = jax.lax.dot_general(
+            x_PN, jax.lax.optimization_barrier(w_ON), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        y_MO = y_PO[:M].astype(preferred_element_type or x.dtype)
+    elif M <= SMALL_ROWS:
         P = padded_rows(M)
         x_PN = jnp.pad(x_MN, ((0, P - M), (0, 0)))
         y_OP = jnp.dot(w_ON, x_PN.T, preferred_element_type=preferred_element_type)

@@ -6,22 +6,25 @@ from __future__ import annotations
 import json
 
 import jax
+import pytest
 from serve_fixtures import write_tiny_model
 
 from peagle_jax import ops
 from peagle_jax.bench import linear as bench_linear
 
 
-def test_bench_linear_times_both_forms_at_each_row_count(tmp_path, capsys):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bench_linear_times_both_forms_at_each_row_count(tmp_path, capsys, dtype):
     model = write_tiny_model(tmp_path / "target")
     out = tmp_path / "linear.json"
     rows = [1, 3, ops.SMALL_ROWS + 1]
     argv = ["--model", str(model), "--rows", ",".join(map(str, rows)), "--rounds", "2", "--json", str(out)]
-    assert bench_linear.main(argv) == 0
+    assert bench_linear.main([*argv, "--dtype", dtype]) == 0
     table = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert [r["rows"] for r in result["results"]] == rows
-    assert [r["picks"] for r in result["results"]] == ["W @ x^T", "W @ x^T", "x @ W^T"]
+    small = "W @ x^T" if dtype == "float32" else "bf16 kernel, >= 4 rows"
+    assert result["dtype"] == dtype and [r["picks"] for r in result["results"]] == [small, small, "x @ W^T"]
     for r in result["results"]:
         assert set(r["ms"]) == {"x @ W^T", "W @ x^T", "ops.linear"} and min(r["ms"].values()) > 0
         assert abs(r["ratio"] - r["ms"]["W @ x^T"] / r["ms"]["x @ W^T"]) < 1e-9

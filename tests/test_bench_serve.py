@@ -40,3 +40,25 @@ def test_bench_serve_runs_every_mode_and_reports_steps_by_k(tmp_path, capsys):
         else:
             assert sum(steps[0].values()) > 0 and set(steps[0]) <= {0, 1, 2}
     assert "| speculative K=2, --load-k auto (default) | 2 |" in table and "steps by K'" in table
+
+
+@pytest.mark.slow
+def test_bench_serve_with_a_tree_in_bfloat16(tmp_path, capsys):
+    """--tree replaces the chain of --k in the speculative modes (named after it); --dtype reaches the servers."""
+    model = write_tiny_model(tmp_path / "target")
+    drafter = write_tiny_drafter(tmp_path / "drafter", k=2)
+    out = tmp_path / "serve.json"
+    argv = ["--model", str(model), "--drafter", str(drafter), "--tree", "0,1,00", "--concurrency", "1"]
+    argv += ["--rounds", "1", "--max-tokens", "8", "--max-seq-len", "64", "--dtype", "bfloat16", "--json", str(out)]
+    assert bench_serve.main(argv) == 0
+    result = json.loads(out.read_text())
+    tree = "speculative tree 0,1,00"
+    assert list(result["modes"]) == ["plain", tree, f"{tree}, --load-k auto (default)"]
+    assert result["config"]["dtype"] == "bfloat16"
+    assert all(set(r["steps_by_k"]) == {"2"} for r in result["modes"][tree]["levels"])  # K': the tree's depth
+    assert f"| {tree} | 1 |" in capsys.readouterr().out
+
+
+def test_bench_serve_refuses_a_bad_tree(capsys):
+    assert bench_serve.main(["--tree", "1,00"]) == 2
+    assert capsys.readouterr().err.startswith("error: --tree '1,00'")

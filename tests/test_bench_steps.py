@@ -5,20 +5,22 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from serve_fixtures import write_tiny_drafter, write_tiny_model
 
 from peagle_jax.bench import steps as bench_steps
 
 
-def test_bench_steps_times_every_step_length_at_each_row_count(tmp_path, capsys):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bench_steps_times_every_step_length_at_each_row_count(tmp_path, capsys, dtype):
     model = write_tiny_model(tmp_path / "target")
     drafter = write_tiny_drafter(tmp_path / "drafter", k=2)
     out = tmp_path / "steps.json"
     argv = ["--model", str(model), "--drafter", str(drafter), "--rows", "1,2", "--steps", "4"]
-    assert bench_steps.main([*argv, "--max-seq-len", "256", "--json", str(out)]) == 0
+    assert bench_steps.main([*argv, "--max-seq-len", "256", "--dtype", dtype, "--json", str(out)]) == 0
     table = capsys.readouterr().out
     result = json.loads(out.read_text())
-    assert result["k"] == 2 and [r["rows"] for r in result["results"]] == [1, 2]
+    assert result["dtype"] == dtype and result["k"] == 2 and [r["rows"] for r in result["results"]] == [1, 2]
     for r in result["results"]:
         assert r["plain_ms"] > 0 and list(r["k"]) == ["0", "1", "2"]
         assert r["k"]["0"]["tokens_per_row_step"] == 1.0  # a plain step: one token per row

@@ -43,7 +43,7 @@ def _chained(form):
     def run(mats, xs):
         carry = jnp.zeros((), jnp.float32)
         for w, x in zip(mats, xs, strict=True):
-            y = form(w, x + carry)
+            y = form(w, x + carry.astype(x.dtype))
             carry = jnp.mean(y) * 1e-6
         return carry
 
@@ -70,7 +70,7 @@ def measure(mats, rows: int, rounds: int) -> dict:
     import numpy as np
 
     rng = np.random.default_rng(0)
-    xs = [jax.numpy.asarray(rng.standard_normal((rows, w.shape[1]), np.float32)) for w in mats]
+    xs = [jax.numpy.asarray(rng.standard_normal((rows, w.shape[1]), np.float32)).astype(w.dtype) for w in mats]
     fns = {name: _chained(f) for name, f in forms().items()}
     for f in fns.values():  # compile, then one untimed pass
         f(mats, xs).block_until_ready()
@@ -90,6 +90,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
     p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256", help="row counts M, comma-separated")
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds per row count (default 15)")
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and inputs (default float32)"
+    )
     p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args(argv)
     try:
@@ -107,7 +110,7 @@ def main(argv=None) -> int:
     from peagle_jax.generate import resolve_model_dir
 
     try:
-        cfg, params = load_target_any(resolve_model_dir(args.model))
+        cfg, params = load_target_any(resolve_model_dir(args.model), dtype=args.dtype)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -116,7 +119,7 @@ def main(argv=None) -> int:
     results = []
     for m in tqdm(rows, desc="row counts", file=sys.stderr):
         ms = measure(mats, m, args.rounds)
-        picks = "W @ x^T" if m <= ops.SMALL_ROWS else "x @ W^T"
+        picks = "x @ W^T" if m > ops.SMALL_ROWS else "W @ x^T" if args.dtype == "float32" else "bf16 kernel, >= 4 rows"
         results.append({"rows": m, "ms": ms, "ratio": ms["W @ x^T"] / ms["x @ W^T"], "picks": picks})
     print(f"{len(mats)} weight matrices, {mb:.0f} MiB ({cfg.dtype}); median ms per pass of {args.rounds} rounds\n")
     print("| rows M | x @ W^T | W @ x^T (barrier) | W @ x^T / x @ W^T | ops.linear picks | ops.linear |")
@@ -129,7 +132,9 @@ def main(argv=None) -> int:
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": str(args.model), "weights_mib": mb, "results": results}, f, indent=2)
+            json.dump(
+                {"model": str(args.model), "dtype": args.dtype, "weights_mib": mb, "results": results}, f, indent=2
+            )
     return 0
 
 

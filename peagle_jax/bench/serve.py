@@ -166,6 +166,9 @@ def main(argv=None) -> int:
     )
     p.add_argument("--k", type=int, default=3, help="draft tokens per step in the speculative mode (default 3)")
     p.add_argument(
+        "--tree", help="a static draft tree for the speculative modes instead of a chain of --k, e.g. 0,1,00,10"
+    )
+    p.add_argument(
         "--load-k", default="", help="also run speculation with this --load-k policy, e.g. 4:1,12:0 (default: none)"
     )
     p.add_argument(
@@ -178,10 +181,20 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default 48)")
     p.add_argument("--max-seq-len", type=int, default=256, help="server --max-seq-len (default 256)")
     p.add_argument("--platform", help="server --platform (default: the server's, cpu)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="server --dtype (default: the server's, float32)")
     p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     from peagle_jax.drafter.shipped import resolve_drafter
+    from peagle_jax.errors import UserError
+    from peagle_jax.verify import parse_tree
+
+    try:
+        if args.tree:
+            parse_tree(args.tree)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
     drafter = args.drafter or resolve_drafter(args.model, None, None)
     if drafter is None:
@@ -197,18 +210,21 @@ def main(argv=None) -> int:
     common = ["--model", args.model, "--max-batch", str(max(levels)), "--max-seq-len", str(args.max_seq_len)]
     if args.platform:
         common += ["--platform", args.platform]
+    if args.dtype:
+        common += ["--dtype", args.dtype]
     model = "smollm2" if args.model == "smollm2" else Path(args.model).resolve().name
-    spec = [*common, "--drafter", drafter, "--k", str(args.k)]
+    spec = [*common, "--drafter", drafter, *(["--tree", args.tree] if args.tree else ["--k", str(args.k)])]
+    what = f"tree {args.tree}" if args.tree else f"K={args.k}"
     modes = {
         "plain": [*common, "--k", "0"],
-        f"speculative K={args.k}": [*spec, "--load-k", "none"],
-        f"speculative K={args.k}, --load-k auto (default)": [*spec, "--load-k", "auto"],
+        f"speculative {what}": [*spec, "--load-k", "none"],
+        f"speculative {what}, --load-k auto (default)": [*spec, "--load-k", "auto"],
     }
     if args.load_k:
-        modes[f"speculative K={args.k}, --load-k {args.load_k}"] = [*spec, "--load-k", args.load_k]
+        modes[f"speculative {what}, --load-k {args.load_k}"] = [*spec, "--load-k", args.load_k]
     if args.sync:
         modes["plain, --sync-steps"] = [*modes["plain"], "--sync-steps"]
-        modes[f"speculative K={args.k}, --load-k auto, --sync-steps"] = [*spec, "--load-k", "auto", "--sync-steps"]
+        modes[f"speculative {what}, --load-k auto, --sync-steps"] = [*spec, "--load-k", "auto", "--sync-steps"]
     try:
         out = run_modes(modes, levels, model, args)
     except (RuntimeError, TimeoutError) as err:

@@ -92,6 +92,9 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default="1,4,16", help="busy slots, comma-separated (default 1,4,16)")
     p.add_argument("--steps", type=int, default=40, help="timed steps per mode and row count (default 40)")
     p.add_argument("--max-seq-len", type=int, default=256, help="context length (default 256)")
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and compute (default float32)"
+    )
     p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args(argv)
     from tqdm import tqdm
@@ -116,7 +119,10 @@ def main(argv=None) -> int:
         for r in rows:
             results.append(measure(plain, spec, prompt, r, args.steps, progress=bar.update))
     K = spec.K
-    print(f"{len(prompt)}-token chat prompt, K = {K}; per mode: median ms per step, x the plain engine's step, ")
+    print(
+        f"{args.dtype}, {len(prompt)}-token chat prompt, K = {K}; "
+        "per mode: median ms per step, x the plain engine's step, "
+    )
     print("tokens per row and step, throughput x plain\n")
     print(f"| rows | plain step | K'=0 | K'=1 | K'={K} |\n|---|---|---|---|---|")
     for res in results:
@@ -128,7 +134,7 @@ def main(argv=None) -> int:
         print(f"| {res['rows']} | {res['plain_ms']:.1f} ms | " + " | ".join(cells) + " |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"k": K, "prompt_tokens": len(prompt), "results": results}, f, indent=2)
+            json.dump({"k": K, "dtype": args.dtype, "prompt_tokens": len(prompt), "results": results}, f, indent=2)
     return 0
 
 
@@ -144,8 +150,8 @@ def _generators(args, model_dir, load_tokenizer):
     drafter = args.drafter or resolve_drafter(args.model, None, None)
     if not drafter:
         raise UserError(f"no shipped drafter for {args.model}: give --drafter DIR")
-    dcfg, dparams = load_drafter(drafter)
-    cfg, params = load_target_any(model_dir, aux_layer_ids=dcfg.aux_layer_ids)
+    dcfg, dparams = load_drafter(drafter, dtype=args.dtype)
+    cfg, params = load_target_any(model_dir, dtype=args.dtype, aux_layer_ids=dcfg.aux_layer_ids)
     tok = load_tokenizer(model_dir)
     messages = [{"role": "user", "content": PROMPT}]
     prompt = list(
