@@ -4,7 +4,7 @@ Slot s of row b holds the key/value of that row's token written at slot s. The l
 each kv head's slots are contiguous, which is what a CPU batched matmul over (row, head) reads fastest.
 Which slots a query may see is decided by :func:`peagle_jax.ops.visible_mask` from the row's write start,
 never by what the cache holds, so stale rows (rejected drafts, padding) are harmless and later overwritten.
-A bf16 cache is stored as the uint16 of its bits (:func:`storage_dtype`): read it with :func:`read`.
+A bf16 inference cache is stored as the uint16 of its bits (:func:`storage_dtype`): read it with :func:`read`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ class KVCache:
         return self.k[0].shape[2]
 
     @classmethod
-    def zeros(cls, num_layers: int, batch: int, slots: int, kv_heads: int, head_dim: int, dtype=jnp.float32):
-        shape, store = (batch, kv_heads, slots, head_dim), storage_dtype(dtype)
+    def zeros(cls, num_layers: int, batch: int, slots: int, kv_heads: int, head_dim: int, dtype=jnp.float32, bits=True):
+        """``bits``: a bf16 cache stored as its bits (inference); False for a cache that gradients flow
+        through (training: an integer bitcast has no gradient)."""
+        shape, store = (batch, kv_heads, slots, head_dim), storage_dtype(dtype) if bits else jnp.dtype(dtype)
         return cls(
             k=tuple(jnp.zeros(shape, store) for _ in range(num_layers)),
             v=tuple(jnp.zeros(shape, store) for _ in range(num_layers)),
@@ -54,7 +56,8 @@ def write_rows(cache_BGSH, new_BTGH, start_B):
     slots_BT = start_B.astype(jnp.int32)[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     rows_B1 = jnp.arange(new_BTGH.shape[0], dtype=jnp.int32)[:, None]  # rows 0..B-1 (the cache may hold more)
     # Advanced indices on axes 0 and 2 come first in the update's shape: [B, T, G, H], the layout given.
-    new_BTGH = as_bits(new_BTGH.astype(values_dtype(cache_BGSH.dtype)))
+    new_BTGH = new_BTGH.astype(values_dtype(cache_BGSH.dtype))
+    new_BTGH = as_bits(new_BTGH) if cache_BGSH.dtype != new_BTGH.dtype else new_BTGH
     return cache_BGSH.at[rows_B1, :, slots_BT].set(new_BTGH, mode="drop")
 
 

@@ -78,6 +78,15 @@ def test_bf16_cache_is_stored_as_bits_and_read_back_exactly():
         np.asarray(values[1, :, 5:8].transpose(1, 0, 2)), np.asarray(new[1].astype(jnp.bfloat16))
     )
     assert not np.asarray(values[0, :, 3:]).any() and not np.asarray(values[1, :, :5]).any()
+    # A training cache keeps bf16 values: gradients flow through it (an integer bitcast has none).
+    grad_cache = C.KVCache.zeros(1, 1, 4, 2, 4, jnp.bfloat16, bits=False).k[0]
+    assert grad_cache.dtype == jnp.bfloat16
+
+    def total(new):
+        return C.read(C.write_rows(grad_cache, new, jnp.asarray([0]))).astype(jnp.float32).sum()
+
+    grad = jax.grad(total)(jnp.ones((1, 2, 2, 4), jnp.float32))
+    np.testing.assert_array_equal(np.asarray(grad), np.ones((1, 2, 2, 4), np.float32))
     f32 = C.KVCache.zeros(1, 1, 4, 2, 4, jnp.float32)
     assert f32.k[0].dtype == jnp.float32 and C.read(f32.k[0]) is f32.k[0]
 

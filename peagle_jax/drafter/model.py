@@ -142,6 +142,7 @@ def init_drafter_params(cfg: DrafterConfig, key: jax.Array):
     return Drafter(cfg).init(key, aux, tokens, tokens, start, visible, cache, embed, method=Drafter.init_all)["params"]
 
 
-def new_drafter_cache(cfg: DrafterConfig, batch: int, slots: int) -> KVCache:
+def new_drafter_cache(cfg: DrafterConfig, batch: int, slots: int, *, bits: bool = True) -> KVCache:
+    """``bits=False`` for training (see :meth:`KVCache.zeros`)."""
     lc = cfg.layer
-    return KVCache.zeros(lc.num_layers, batch, slots, lc.num_kv_heads, lc.head_dim, lc.jnp_dtype)
+    return KVCache.zeros(lc.num_layers, batch, slots, lc.num_kv_heads, lc.head_dim, lc.jnp_dtype, bits=bits)

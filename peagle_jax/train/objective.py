@@ -152,7 +152,7 @@ def element_logits(params, batch: PEagleBatch, embed_VD=None, *, cfg: DrafterCon
     mask_BEE = element_mask(batch.anchor_BE, batch.depth_BE, batch.valid_BE, batch.document_ids_BT)
     out, _ = drafter_forward(
         params,
-        new_drafter_cache(cfg, B, E),
+        new_drafter_cache(cfg, B, E, bits=False),  # gradients flow through the cache
         tokens_BE,
         g_BED,
         jnp.zeros((B,), jnp.int32),

@@ -46,7 +46,7 @@ def ttt_forward(params, batch: PEagleBatch, embed_VD=None, *, cfg: DrafterConfig
     B, T = batch.tokens_BT.shape
     K = num_depths
     drafter = Drafter(cfg)
-    cache = new_drafter_cache(cfg, B, K * T)
+    cache = new_drafter_cache(cfg, B, K * T, bits=False)  # gradients flow through the cache
     a_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
     doc = batch.document_ids_BT
     g_BTD = drafter.apply({"params": params}, batch.aux_BTX.astype(cfg.layer.jnp_dtype), method=Drafter.fuse)
