@@ -57,7 +57,8 @@ def write_rows(cache_BGSH, new_BTGH, start_B):
     rows_B1 = jnp.arange(new_BTGH.shape[0], dtype=jnp.int32)[:, None]  # rows 0..B-1 (the cache may hold more)
     # Advanced indices on axes 0 and 2 come first in the update's shape: [B, T, G, H], the layout given.
     new_BTGH = new_BTGH.astype(values_dtype(cache_BGSH.dtype))
-    new_BTGH = as_bits(new_BTGH) if cache_BGSH.dtype != new_BTGH.dtype else new_BTGH
+    if new_BTGH.dtype != cache_BGSH.dtype:  # a cache stored as bits
+        new_BTGH = jax.lax.bitcast_convert_type(new_BTGH, cache_BGSH.dtype)
     return cache_BGSH.at[rows_B1, :, slots_BT].set(new_BTGH, mode="drop")
 
 
@@ -77,12 +78,6 @@ def storage_dtype(dtype):
 def values_dtype(dtype):
     """The dtype of the values a cache stored in ``dtype`` holds."""
     return _VALUES.get(jnp.dtype(dtype), jnp.dtype(dtype))
-
-
-def as_bits(x):
-    """``x`` in its storage dtype (a bitcast for bf16)."""
-    store = storage_dtype(x.dtype)
-    return jax.lax.bitcast_convert_type(x, store) if store != x.dtype else x
 
 
 def read(cache_slice):

@@ -1,5 +1,5 @@
 """bf16 on the CPU: products stay in bf16 (XLA's bf16 kernel), the KV cache is written in place (stored as
-its bits), and speculative decoding in bf16 still reproduces plain bf16 decoding token for token."""
+its bits), and on the tiny models speculative decoding in bf16 reproduces plain bf16 decoding token for token."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_bf16_linear_equals_float32_accumulation(rows, in_axes):
 @pytest.mark.parametrize("rows", [1, 2, 5, 16])
 def test_bf16_products_do_not_convert_the_weights(rows):
     """Every small product multiplies the bf16 weight itself: no f32 copy of W is made per call (what XLA
-    does for a 1-row bf16 product, or for ``W @ x^T``, which is why ``linear`` pads 1 row to 2)."""
+    does for a 1-row bf16 product, or for ``W @ x^T``, which is why ``linear`` pads 1 row to 4)."""
     w = jnp.ones((96, 32), jnp.bfloat16)
     text = jax.jit(ops.linear).lower(w, jnp.ones((rows, 32), jnp.bfloat16)).compile().as_text()
     assert "f32[96,32]" not in text and "f32[32,96]" not in text, text
