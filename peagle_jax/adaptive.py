@@ -20,7 +20,14 @@ one now and then, so that the acceptance estimate stays current: every ``explore
 slower that one is, and twice as long after each exploration that did not bring it closer to winning, up to
 ``max_explore_gap`` times ``explore_every`` (so a drafter that keeps losing costs ~0.2% of the steps, not
 ~2%); the interval starts over when an exploration narrows the gap by a quarter against the last one at the
-same row bucket, or the longest K' wins. Outputs never
+same row bucket, or the longest K' wins.
+
+While a drafting K' wins, the plain step is run again every ``retime_every`` steps at that row bucket, so
+that its time stays current too (the new time replaces the stale average; otherwise it would come only from the warm-up, and a machine that got
+faster or slower since, or a window that grew, would keep the policy drafting at a loss for the server's
+whole life). And a drafting K' must beat the plain step by ``margin`` (5%): a plain step run between
+drafted ones does not overlap the host like a run of plain steps does, and close calls are within the
+step times' noise, so they go to the plain step, which never loses. Outputs never
 depend on the choice: every K' commits exactly the tokens of plain decoding (greedy and sampled alike, see
 :mod:`peagle_jax.verify`), so the policy changes only the speed.
 """
@@ -47,6 +54,8 @@ class AdaptiveK:
         *,
         explore_every: int = 32,
         max_explore_gap: float = 16.0,
+        retime_every: int = 64,
+        margin: float = 0.05,
         min_samples: int = 2,
         decay: float = 0.99,
         smoothing: float = 0.2,
@@ -56,6 +65,8 @@ class AdaptiveK:
         self.candidates = tuple(sorted(set(candidates)))
         self.K = max(self.candidates)
         self.explore_every, self.max_explore_gap, self.min_samples = explore_every, max_explore_gap, min_samples
+        self.retime_every, self.margin = retime_every, margin
+        self.last_timed: dict[tuple[int, int], int] = {}  # (rows, K') -> self.steps when last timed
         self.decay, self.smoothing = decay, smoothing
         self.tries = np.zeros(self.K)  # per depth: rows that reached it (every earlier depth accepted)
         self.accepts = np.zeros(self.K)  # ... and accepted it
@@ -98,8 +109,12 @@ class AdaptiveK:
         for k in self.candidates:
             if times[k] is None:
                 return k
+        base = self.candidates[0]
         score = {k: self.expected_tokens(k) / times[k] for k in self.candidates}
+        score[base] *= 1.0 + self.margin  # a drafting K' must win by the margin
         best = max(self.candidates, key=score.get)
+        if best != base and self.steps - self.last_timed.get((rows, base), self.steps) >= self.retime_every:
+            return base  # re-time the plain step: its time may have moved since it last ran here
         if best == self.K:
             self.backoff = 0
             return best
@@ -121,7 +136,10 @@ class AdaptiveK:
         n = self.seen.get(key, 0)
         if seconds is not None:
             self.seen[key] = n + 1
-            if n == 1:
+            # A re-timed plain step (:meth:`choose`) replaces the stale average rather than nudging it.
+            stale = k == self.candidates[0] and self.steps - self.last_timed.get(key, self.steps) >= self.retime_every
+            self.last_timed[key] = self.steps
+            if n == 1 or (n > 1 and stale):
                 self.step_s[key] = seconds
             elif n > 1:
                 self.step_s[key] += self.smoothing * (seconds - self.step_s[key])

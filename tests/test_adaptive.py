@@ -38,7 +38,11 @@ def test_adaptive_k_picks_the_fastest_step_length(step_s, accept, best):
     tail = chosen[100:]
     assert max(set(tail), key=tail.count) == best
     if best == 3:
-        assert all(k == 3 for k in tail)
+        # Every other step drafts K = 3; the plain step is re-timed once per 64 steps.
+        assert all(k in (0, 3) for k in tail)
+        plain_at = [i for i, k in enumerate(tail) if k == 0]
+        assert len(tail) // 64 - 1 <= len(plain_at) <= len(tail) // 64 + 1
+        assert min(np.diff(plain_at)) >= 63
     else:
         # The longest K' keeps being measured (so the estimate stays current): first after 16 steps times
         # how much slower it is, then twice as long after each exploration that changed nothing, up to 16 x 16.
@@ -212,3 +216,36 @@ def test_an_untimed_step_teaches_acceptance_only():
     policy.record(1, 3, None, [1, 1])  # two rows that reached depth 1 and rejected it
     assert (policy.step_s[(1, 3)], policy.seen[(1, 3)]) == before
     assert policy.tries[0] == pytest.approx(tries * 0.99 + 2) and policy.accepts[0] == pytest.approx(accepts * 0.99)
+
+
+def test_a_stale_plain_time_is_re_timed_while_drafting():
+    """The warm-up timed the plain step at 2 s (the machine was busy then), so drafting looked faster; plain
+    steps really take 1 s and drafting loses (1.42 tokens per 1.6 s). While drafting, the policy re-times
+    the plain step after 64 steps, takes its new time as is, and goes back to plain steps."""
+    policy, rng = AdaptiveK([0, 1, 3], explore_every=16), np.random.default_rng(3)
+    for k, s in ((0, 2.0), (1, 1.5), (3, 1.6)):  # the warm-up's calibration
+        for _ in range(policy.min_samples + 1):
+            policy.record(4, k, s)
+    step_s = {0: 1.0, 1: 1.5, 3: 1.6}
+    chosen = _drive(policy, 4, step_s, 0.3, 600, rng)
+    assert chosen[0] != 0  # it drafts at first
+    assert policy.step_s[(4, 0)] == pytest.approx(1.0, rel=0.05)
+    first_plain = chosen.index(0)  # the first re-time: its time replaces the stale 2 s at once
+    assert first_plain <= 65
+    tail = chosen[first_plain:]
+    assert tail.count(0) >= 0.97 * len(tail)  # plain from then on, but for the explorations of K = 3
+
+
+def test_drafting_must_win_by_the_margin():
+    """Drafting expected 3% faster than plain steps: within the margin (5%), so plain steps are chosen; 10%
+    faster: it drafts."""
+    for ratio, want in ((1.03, 0), (1.10, 3)):
+        policy = AdaptiveK([0, 3], explore_every=10**6, decay=1.0)
+        for _ in range(policy.min_samples + 1):
+            policy.record(1, 0, 1.0)
+            policy.record(1, 3, 1.0, [1])  # one row accepting nothing ...
+        policy.tries[:], policy.accepts[:] = 1e6, 0.0
+        policy.tries[0], policy.accepts[0] = 1e6, 1e6 * (ratio - 1)  # ... then p1 = ratio - 1, deeper nothing
+        policy.accepts[1:] = 0.0
+        assert policy.expected_tokens(3) == pytest.approx(ratio, rel=1e-3)
+        assert policy.choose(1) == want
