@@ -136,16 +136,16 @@ def _node_choices(logits_BTV, sampling, seeds_B, positions_BT, greedy_only):
 
 
 def _compact(cache_BGSH, q_B, path_BK):
-    """Move the accepted path's entries (tree node slots ``q + node``) to slots ``q + 1 .. q + K``."""
-    B = q_B.shape[0]  # the cache may hold more rows; those beyond B are left as they are
+    """Move the accepted path's entries (tree node slots ``q + node``) to slots ``q + 1 .. q + K``.
+
+    One in-place update of the (donated) cache per row, each writing only its K slots: the cache may hold
+    more rows than B, and those are left as they are. (Rebuilding the cache from per-row slices, as a stack
+    of rows, copied every layer's whole cache at each tree step.)"""
     src_BK = q_B[:, None] + path_BK
-    rows = []
-    for b in range(B):
-        moved_GKH = jnp.take(cache_BGSH[b], src_BK[b], axis=1)
-        rows.append(jax.lax.dynamic_update_slice(cache_BGSH[b], moved_GKH, (0, q_B[b] + 1, 0)))
-    if B < cache_BGSH.shape[0]:
-        rows.extend(cache_BGSH[B:])
-    return jnp.stack(rows)
+    for b in range(q_B.shape[0]):
+        moved_1GKH = jnp.take(cache_BGSH[b], src_BK[b], axis=1)[None]
+        cache_BGSH = jax.lax.dynamic_update_slice(cache_BGSH, moved_1GKH, (b, 0, q_B[b] + 1, 0))
+    return cache_BGSH
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "tree", "window", "greedy_only"), donate_argnames=("cache",))
