@@ -347,3 +347,36 @@ def test_real_smollm2_greedy_speculative_equals_plain(tmp_path):
         assert [r.token_ids for r in res] == [r.token_ids for r in plain]
     single = SpeculativeGenerator(cfg, params, dcfg, dparams, max_seq_len=256, k=3)  # batch 1
     assert single.generate([prompt], max_new_tokens=24, stop_token_ids=[])[0].token_ids == plain[0].token_ids
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tree_verify_moves_the_accepted_path_in_place(dtype):
+    """Compacting a tree's accepted path writes K slots per row into the donated cache: the compiled verify
+    never rebuilds a layer's cache from per-row pieces (a concatenate of cache rows copied every layer's
+    whole cache at each tree step), with more slots in the cache than rows in the step."""
+    import re
+
+    cfg = CFG.replace(dtype=dtype)
+    params = M.init_params(cfg, jax.random.key(0))
+    B, S, tree = 3, 64, V.parse_tree("0,1,00,10,000")
+    cache = M.new_cache(cfg, 4, S)  # 4 rows: the step runs the first 3
+    text = (
+        V.verify.lower(
+            params,
+            cache,
+            jnp.zeros(B, jnp.int32),
+            jnp.zeros((B, tree.depth, tree.width), jnp.int32),
+            jnp.full(B, 5, jnp.int32),
+            jnp.zeros(B, jnp.uint32),
+            SamplingParams.make(B),
+            cfg=cfg,
+            tree=tree,
+            window=S,
+            greedy_only=True,
+        )
+        .compile()
+        .as_text()
+    )
+    shape = rf"\[4,{cfg.num_kv_heads},{S},{cfg.head_dim}\]"
+    ops = re.findall(rf"= \w+{shape}\S* (\S+)\(", text)
+    assert "dynamic-update-slice" in ops and "concatenate" not in ops, sorted(set(ops))
