@@ -5,7 +5,8 @@ or K, whichever emits the most tokens per second; it can only match a plain serv
 step costs what the plain engine's decode step costs. This measures both in one loop: for each number of
 busy rows, a plain :class:`~peagle_jax.serve.slots.SlotEngine` and a speculative one (the shipped drafter
 by default) hold that many requests of the same chat prompt, and the steps are timed interleaved (plain,
-K' = 0, 1, K in rotating order), so that the machine's noise hits all of them alike. Prints a markdown
+K' = 0, 1, K in rotating order), so that the machine's noise hits all of them alike. ``--tree SPEC`` times a
+static tree as the longest step instead of a chain of K (its column is the tree's depth). Prints a markdown
 table (medians) and with ``--json FILE`` writes it too.
 """
 
@@ -89,6 +90,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
     p.add_argument("--drafter", help="drafter directory (default: the shipped drafter of the model)")
     p.add_argument("--k", type=int, help="the speculative step's K (default: the drafter config's, as serve)")
+    p.add_argument("--tree", help="a static draft tree for the longest step instead of a chain of --k, e.g. 0,1,00,10")
     p.add_argument("--rows", default="1,4,16", help="busy slots, comma-separated (default 1,4,16)")
     p.add_argument("--steps", type=int, default=40, help="timed steps per mode and row count (default 40)")
     p.add_argument("--max-seq-len", type=int, default=256, help="context length (default 256)")
@@ -109,6 +111,9 @@ def main(argv=None) -> int:
     except ValueError:
         print(f"error: --rows must be positive integers, --steps and --k >= 1 (got {args.rows!r})", file=sys.stderr)
         return 2
+    if args.tree and args.k is not None:
+        print("error: give --k or --tree, not both", file=sys.stderr)
+        return 2
     try:
         plain, spec, prompt = _generators(args, resolve_model_dir(args.model), load_tokenizer)
     except UserError as err:
@@ -119,8 +124,9 @@ def main(argv=None) -> int:
         for r in rows:
             results.append(measure(plain, spec, prompt, r, args.steps, progress=bar.update))
     K = spec.K
+    longest = f"tree {args.tree} (depth {K})" if args.tree else f"K = {K}"
     print(
-        f"{args.dtype}, {len(prompt)}-token chat prompt, K = {K}; "
+        f"{args.dtype}, {len(prompt)}-token chat prompt, {longest}; "
         "per mode: median ms per step, x the plain engine's step, "
     )
     print("tokens per row and step, throughput x plain\n")
@@ -134,7 +140,11 @@ def main(argv=None) -> int:
         print(f"| {res['rows']} | {res['plain_ms']:.1f} ms | " + " | ".join(cells) + " |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"k": K, "dtype": args.dtype, "prompt_tokens": len(prompt), "results": results}, f, indent=2)
+            json.dump(
+                {"k": K, "tree": args.tree, "dtype": args.dtype, "prompt_tokens": len(prompt), "results": results},
+                f,
+                indent=2,
+            )
     return 0
 
 
@@ -146,6 +156,7 @@ def _generators(args, model_dir, load_tokenizer):
     from peagle_jax.engine import Generator
     from peagle_jax.errors import UserError
     from peagle_jax.speculative import SpeculativeGenerator
+    from peagle_jax.verify import parse_tree
 
     drafter = args.drafter or resolve_drafter(args.model, None, None)
     if not drafter:
@@ -158,7 +169,8 @@ def _generators(args, model_dir, load_tokenizer):
         tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     )
     plain = Generator(cfg, params, max_seq_len=args.max_seq_len)
-    spec = SpeculativeGenerator(cfg, params, dcfg, dparams, k=args.k, max_seq_len=args.max_seq_len)
+    tree = parse_tree(args.tree) if args.tree else None
+    spec = SpeculativeGenerator(cfg, params, dcfg, dparams, k=args.k, tree=tree, max_seq_len=args.max_seq_len)
     return plain, spec, prompt
 
 
