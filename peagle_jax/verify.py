@@ -138,14 +138,14 @@ def _node_choices(logits_BTV, sampling, seeds_B, positions_BT, greedy_only):
 def _compact(cache_BGSH, q_B, path_BK):
     """Move the accepted path's entries (tree node slots ``q + node``) to slots ``q + 1 .. q + K``.
 
-    One in-place update of the (donated) cache per row, each writing only its K slots: the cache may hold
-    more rows than B, and those are left as they are. (Rebuilding the cache from per-row slices, as a stack
-    of rows, copied every layer's whole cache at each tree step.)"""
-    src_BK = q_B[:, None] + path_BK
-    for b in range(q_B.shape[0]):
-        moved_1GKH = jnp.take(cache_BGSH[b], src_BK[b], axis=1)[None]
-        cache_BGSH = jax.lax.dynamic_update_slice(cache_BGSH, moved_1GKH, (b, 0, q_B[b] + 1, 0))
-    return cache_BGSH
+    One gather and one scatter over the first B rows (the cache may hold more; those are left as they are),
+    so XLA updates the donated cache in place. Per-row slices written back one by one, or stacked into a
+    new cache, made it copy every layer's whole cache at each tree step (two copies per array; tested on
+    the compiled graph)."""
+    B, K = path_BK.shape
+    b_BK = jnp.broadcast_to(jnp.arange(B)[:, None], (B, K))
+    moved_BKGH = cache_BGSH[b_BK, :, q_B[:, None] + path_BK]
+    return cache_BGSH.at[b_BK, :, q_B[:, None] + 1 + jnp.arange(K)[None, :]].set(moved_BKGH)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "tree", "window", "greedy_only"), donate_argnames=("cache",))
