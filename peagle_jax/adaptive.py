@@ -23,11 +23,11 @@ slower that one is, and twice as long after each exploration that did not bring 
 same row bucket, or the longest K' wins.
 
 While a drafting K' wins, the plain step is run again every ``retime_every`` steps at that row bucket, so
-that its time stays current too (the new time replaces the stale average; otherwise it would come only from the warm-up, and a machine that got
-faster or slower since, or a window that grew, would keep the policy drafting at a loss for the server's
-whole life). And a drafting K' must beat the plain step by ``margin`` (5%): a plain step run between
-drafted ones does not overlap the host like a run of plain steps does, and close calls are within the
-step times' noise, so they go to the plain step, which never loses. Outputs never
+that its time stays current too (the new time replaces the stale average; otherwise it would come only
+from the warm-up, and a machine that got faster or slower since, or a window that grew, would keep the
+policy drafting at a loss for the server's whole life). And a drafting K' must beat the plain step by
+``margin`` (5%): a plain step run between drafted ones does not overlap the host like a run of plain steps
+does, and closer calls are within the step times' noise, so they go to the plain step. Outputs never
 depend on the choice: every K' commits exactly the tokens of plain decoding (greedy and sampled alike, see
 :mod:`peagle_jax.verify`), so the policy changes only the speed.
 """
