@@ -8,7 +8,9 @@ a decode of B tokens), the acceptance with the traffic. The policy keeps, per ro
 - the step time, an exponential moving average of the measured seconds per step (the first sample of each
   (R, K') is dropped: it may include a compilation or a cold cache);
 - per draft depth d, the acceptance rate given that depth d - 1 was accepted, ``p_d`` (decayed counts
-  with a weak 0.5 prior), shared by every K' since a parallel draft's depth d does not depend on K'.
+  with a weak 0.5 prior), shared by every K' when the candidates are chains (a parallel draft's depth d
+  does not depend on K'); a tree keeps its own (``shared=False``): with several candidates at a depth it
+  is accepted there more often than a chain of 1 is, and mixing the two would hide what the tree gains.
 
 It chooses ``argmax_K' E(K') / time(R, K')`` with ``E(K') = 1 + sum_{d <= K'} p_1 ... p_d`` tokens per row
 and step. At the first row bucket it tries every candidate in turn until each has enough timed steps; at a
@@ -47,6 +49,12 @@ def step_trees(tree: Tree) -> dict[int, Tree]:
     return {0: chain(0), 1: chain(1), tree.depth: tree}
 
 
+def adaptive_policy(tree: Tree) -> AdaptiveK:
+    """The policy of a generator drafting ``tree``: its :func:`step_trees`, acceptance shared between them
+    when ``tree`` is a chain."""
+    return AdaptiveK(sorted(step_trees(tree)), shared=tree.is_chain)
+
+
 class AdaptiveK:
     def __init__(
         self,
@@ -56,6 +64,7 @@ class AdaptiveK:
         max_explore_gap: float = 16.0,
         retime_every: int = 64,
         margin: float = 0.05,
+        shared: bool = True,
         min_samples: int = 2,
         decay: float = 0.99,
         smoothing: float = 0.2,
@@ -68,8 +77,11 @@ class AdaptiveK:
         self.retime_every, self.margin = retime_every, margin
         self.last_timed: dict[tuple[int, int], int] = {}  # (rows, K') -> self.steps when last timed
         self.decay, self.smoothing = decay, smoothing
-        self.tries = np.zeros(self.K)  # per depth: rows that reached it (every earlier depth accepted)
-        self.accepts = np.zeros(self.K)  # ... and accepted it
+        # Acceptance counts per group of candidates (one group when shared; else the longest K' alone):
+        # per depth, rows that reached it (every earlier depth accepted) and rows that accepted it.
+        self.shared = shared
+        self._counts = {g: (np.zeros(self.K), np.zeros(self.K)) for g in {self._group(k) for k in self.candidates}}
+        self.tries, self.accepts = self._counts[self._group(self.K)]  # the longest K''s (views, updated in place)
         self.seen: dict[tuple[int, int], int] = {}  # (rows, K') -> steps recorded
         self.step_s: dict[tuple[int, int], float] = {}  # (rows, K') -> smoothed seconds per step
         self.steps = 0
@@ -77,13 +89,18 @@ class AdaptiveK:
         self.backoff = 0  # explorations since the longest K' last won or gained: each doubles the interval
         self.explored_gap: dict[int, float] = {}  # rows -> how much slower the longest K' was when last explored
 
-    def acceptance(self) -> np.ndarray:
-        """``p_d`` per depth d = 1..K: the rate of accepting depth d having accepted d - 1."""
-        return (self.accepts + 0.5) / (self.tries + 1.0)
+    def _group(self, k: int) -> int:
+        return 0 if self.shared or k != self.K else 1
+
+    def acceptance(self, k: int | None = None) -> np.ndarray:
+        """``p_d`` per depth d = 1..K of candidate ``k`` (default the longest): the rate of accepting depth d
+        having accepted d - 1."""
+        tries, accepts = self._counts[self._group(self.K if k is None else k)]
+        return (accepts + 0.5) / (tries + 1.0)
 
     def expected_tokens(self, k: int) -> float:
         """Tokens a row emits per step drafting ``k``: 1 + the expected accepted prefix."""
-        return 1.0 + float(np.cumprod(self.acceptance()[:k]).sum())
+        return 1.0 + float(np.cumprod(self.acceptance(k)[:k]).sum())
 
     def _timed(self, rows: int, k: int) -> bool:
         return self.seen.get((rows, k), 0) >= self.min_samples + 1  # + 1: the dropped first sample
@@ -146,10 +163,11 @@ class AdaptiveK:
         if k and len(counts):
             c = np.asarray(counts)[:, None]
             d = np.arange(1, k + 1)[None, :]
-            self.tries *= self.decay
-            self.accepts *= self.decay
-            self.tries[:k] += (c >= d).sum(axis=0)  # reached depth d: the d - 1 before it accepted
-            self.accepts[:k] += (c >= d + 1).sum(axis=0)
+            tries, accepts = self._counts[self._group(k)]
+            tries *= self.decay
+            accepts *= self.decay
+            tries[:k] += (c >= d).sum(axis=0)  # reached depth d: the d - 1 before it accepted
+            accepts[:k] += (c >= d + 1).sum(axis=0)
 
     def snapshot(self) -> dict:
         """What the policy believes now (for logs and tests)."""

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from peagle_jax.adaptive import AdaptiveK, step_trees
+from peagle_jax.adaptive import AdaptiveK, adaptive_policy, step_trees
 from peagle_jax.config import ModelConfig
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.draft import drafter_prefill, fused_mask_hidden, parallel_draft, sequential_draft
@@ -297,7 +297,7 @@ class SpeculativeGenerator(Generator):
         self.embed = None if dcfg.own_embedding else params["embed_tokens"]
         self.spec = SpecStats(accepted_per_position=[0] * self.K)
         self.choices = step_trees(tree)  # the step lengths an adaptive policy chooses from: K' -> tree
-        self.policy = AdaptiveK(sorted(self.choices)) if adaptive else None
+        self.policy = adaptive_policy(tree) if adaptive else None
 
     def _fused(self, cache, dcache, ctx, root, q, seeds, sampling, tree: Tree, window: int, greedy_only: bool):
         """:func:`fused_step` (draft and verify in one graph) with ``ctx`` = (tokens, aux, count, start) of the
@@ -624,7 +624,7 @@ class SpeculativeGenerator(Generator):
         from peagle_jax.engine import bucket
         from peagle_jax.sampling import SamplingParams
 
-        policy = AdaptiveK(self.policy.candidates)
+        policy = adaptive_policy(self.tree)
         B = bucket(batch, self.batch_buckets)
         cache, dcache = self._scratch_caches(B)
         X = len(self.cfg.aux_layer_ids) * self.cfg.hidden_size

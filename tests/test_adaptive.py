@@ -249,3 +249,38 @@ def test_drafting_must_win_by_the_margin():
         policy.accepts[1:] = 0.0
         assert policy.expected_tokens(3) == pytest.approx(ratio, rel=1e-3)
         assert policy.choose(1) == want
+
+
+def test_a_tree_keeps_its_own_acceptance():
+    """A tree with three candidates at depth 1 is accepted there 44% of the time, a chain of 1 27%. With
+    acceptance shared between the candidates (right for chains, whose depth d does not depend on K'), the
+    chain-of-1 steps drag the tree's estimate down and the policy settles on them; a tree's own counts
+    (``adaptive_policy`` of a tree: ``shared=False``) find that the tree emits the most per second."""
+    from peagle_jax.adaptive import adaptive_policy
+    from peagle_jax.verify import chain, parse_tree
+
+    step_s = {0: 1.0, 1: 1.15, 3: 1.25}
+    rates = {1: [0.27], 3: [0.44, 0.12, 0.1]}
+
+    def drive(policy, steps, rng):
+        chosen = []
+        for _ in range(steps):
+            k = policy.choose(4)
+            counts = []
+            for _ in range(4):
+                c = 1
+                while c <= k and rng.random() < rates[k][c - 1]:
+                    c += 1
+                counts.append(c)
+            policy.record(4, k, step_s[k], counts)
+            chosen.append(k)
+        return chosen
+
+    assert adaptive_policy(chain(3)).shared and not adaptive_policy(parse_tree("0,1,2,00,10,20,000")).shared
+    tail = drive(AdaptiveK([0, 1, 3], shared=False), 1500, np.random.default_rng(5))[500:]
+    assert tail.count(3) >= 0.9 * len(tail)
+    policy = AdaptiveK([0, 1, 3], shared=False)
+    drive(policy, 500, np.random.default_rng(6))
+    assert abs(policy.acceptance(3)[0] - 0.44) < 0.1 and abs(policy.acceptance(1)[0] - 0.27) < 0.15
+    shared = drive(AdaptiveK([0, 1, 3]), 1500, np.random.default_rng(5))[500:]
+    assert shared.count(3) < 0.5 * len(shared)  # what the shared estimate did

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from peagle_jax import model
-from peagle_jax.adaptive import AdaptiveK
+from peagle_jax.adaptive import adaptive_policy
 from peagle_jax.drafter.model import new_drafter_cache
 from peagle_jax.engine import Generator, RequestError, decode_step, sample_jit
 from peagle_jax.platform import MapBudget
@@ -137,7 +137,7 @@ class SlotEngine:
             self.load_trees.append((n, chain(k)))
         self.policy = None
         if adaptive:
-            self.policy = AdaptiveK(sorted(gen.choices))
+            self.policy = adaptive_policy(gen.tree)
         self.steps_by_k: dict[int, int] = {}  # steps run at each K' (0: plain steps)
         self.overlapped = 0  # plain steps launched before the last one was read
         self.slots: list[_Slot | None] = [None] * max_batch
@@ -480,7 +480,7 @@ class SlotEngine:
         for rows in self.row_buckets:  # the root merge of an overlapped plain step (admissions since its launch)
             merge_roots(*(jnp.zeros(rows, dt) for dt in (bool, np.int32, np.int32)))
         if self.policy is not None:  # the steps above compiled: their times and acceptance mean nothing
-            self.policy = AdaptiveK(self.policy.candidates)
+            self.policy = adaptive_policy(gen.tree)
             for rows, k in calibration:
                 for _ in range(repeats):
                     self.policy.record(rows, k, self._time_step(gen.choices[k], slot=rows - 1))
