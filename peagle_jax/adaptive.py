@@ -102,6 +102,10 @@ class AdaptiveK:
         """Tokens a row emits per step drafting ``k``: 1 + the expected accepted prefix."""
         return 1.0 + float(np.cumprod(self.acceptance(k)[:k]).sum())
 
+    def _stale(self, rows: int, k: int) -> bool:
+        """Whether ``k`` was timed at ``rows`` before, but not in the last ``retime_every`` steps."""
+        return self.steps - self.last_timed.get((rows, k), self.steps) >= self.retime_every
+
     def _timed(self, rows: int, k: int) -> bool:
         return self.seen.get((rows, k), 0) >= self.min_samples + 1  # + 1: the dropped first sample
 
@@ -130,7 +134,7 @@ class AdaptiveK:
         score = {k: self.expected_tokens(k) / times[k] for k in self.candidates}
         score[base] *= 1.0 + self.margin  # a drafting K' must win by the margin
         best = max(self.candidates, key=score.get)
-        if best != base and self.steps - self.last_timed.get((rows, base), self.steps) >= self.retime_every:
+        if best != base and self._stale(rows, base):
             return base  # re-time the plain step: its time may have moved since it last ran here
         if best == self.K:
             self.backoff = 0
@@ -154,7 +158,7 @@ class AdaptiveK:
         if seconds is not None:
             self.seen[key] = n + 1
             # A re-timed plain step (:meth:`choose`) replaces the stale average rather than nudging it.
-            stale = k == self.candidates[0] and self.steps - self.last_timed.get(key, self.steps) >= self.retime_every
+            stale = k == self.candidates[0] and self._stale(rows, k)
             self.last_timed[key] = self.steps
             if n == 1 or (n > 1 and stale):
                 self.step_s[key] = seconds
