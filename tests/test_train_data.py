@@ -68,6 +68,20 @@ def test_prompt_formats(tmp_path):
         + "\n"
     )
     assert read_chat_jsonl(jl) == [[{"role": "user", "content": "a"}], [{"role": "user", "content": "c"}]]
+    # With the dataset's answers (data.responses: dataset): only first turns answered right after them.
+    assert read_chat_jsonl(jl, replies=True) == [
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    ]
+    assert read_sharegpt(path, replies=True) == (
+        [
+            [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"},
+            ]
+        ],
+        3,
+    )
     jl.write_text(json.dumps({"messages": [{"role": "robot", "content": "a"}]}) + "\n")
     with pytest.raises(DataError, match="chat.jsonl:1.*unknown role 'robot'"):
         read_chat_jsonl(jl)

@@ -12,6 +12,7 @@ import pytest
 
 from peagle_jax.config import ConfigError
 from peagle_jax.train.recipe import load_recipe
+from peagle_jax.weights import read_safetensors
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "train" / "configs" / "tiny.yaml"
@@ -124,3 +125,44 @@ def test_recipe_sections_and_overrides(tmp_path):
 @pytest.mark.parametrize("recipe", sorted((ROOT / "train" / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_recipes_load(recipe):
     load_recipe(recipe)
+
+
+@pytest.mark.slow
+def test_dataset_answers_and_warm_start(tmp_path):
+    """``data.responses=dataset`` trains on ShareGPT's own answers (no regeneration), and ``drafter.init``
+    continues from an exported drafter: the continued run starts where the first ended, with its vocabulary."""
+    common = ("--config", str(TINY), "data.responses=dataset", "optim.total_steps=12", "run.progress=false")
+    first = tmp_path / "first"
+    proc = _run("train/train.py", "--output", str(first), *common)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "dataset answers:" in proc.stderr and "regenerated:" not in proc.stderr
+    assert not (first / "regen").exists()
+    losses = [json.loads(line)["loss"] for line in (first / "metrics.jsonl").read_text().splitlines()]
+
+    more = tmp_path / "more"
+    proc = _run("train/train.py", "--output", str(more), *common, f"drafter.init={first / 'drafter'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "warm start from" in proc.stderr
+    continued = [json.loads(line)["loss"] for line in (more / "metrics.jsonl").read_text().splitlines()]
+    # The same batches in the same order: the warm start's first loss is near where the first run ended
+    # and far below the first run's start from random weights.
+    assert continued[0] < losses[0] - 0.5 * (losses[0] - losses[-1])
+    assert continued[0] < 1.1 * max(losses[-3:])
+    a, b = (json.loads((d / "drafter" / "config.json").read_text()) for d in (first, more))
+    for config in (a, b):  # each run saves its random target in its own directory
+        config["speculators_config"].pop("verifier")
+    assert a == b  # architecture, draft vocabulary size and mask token carried over
+    maps = [read_safetensors(d / "drafter") for d in (first, more)]
+    assert all((maps[0][k] == maps[1][k]).all() for k in ("d2t", "t2d"))
+
+    proc = _run(
+        "train/train.py",
+        "--output",
+        str(tmp_path / "bad"),
+        *common,
+        "optim.objective=eagle3",
+        f"drafter.init={first / 'drafter'}",
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: drafter.init ")
+    assert "is a peagle drafter but optim.objective is eagle3" in proc.stderr

