@@ -155,6 +155,13 @@ def test_dataset_answers_and_warm_start(tmp_path):
     maps = [read_safetensors(d / "drafter") for d in (first, more)]
     assert all((maps[0][k] == maps[1][k]).all() for k in ("d2t", "t2d"))
 
+    proc = _run("-m", "peagle_jax.train.card", str(more), "--drafter", str(more / "drafter"), "--command", "x")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = (more / "drafter" / "README.md").read_text()
+    vocab = json.loads((more / "vocab.json").read_text())
+    assert f"own first answers (at most 32 tokens), no regeneration: {vocab['responses']} responses" in text
+    assert f"- warm start from `{first / 'drafter'}`" in text and "1 decoder layers" in text
+
     proc = _run(
         "train/train.py",
         "--output",

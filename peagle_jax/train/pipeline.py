@@ -268,7 +268,17 @@ def run(recipe: Recipe, output: str | Path, *, log=print) -> dict:
         dcfg, dparams = build_drafter(recipe, tcfg, cfg, params, used, d2t, t2d, mask_id, source)
     cover = coverage(counts, used)
     (out / "vocab.json").write_text(
-        json.dumps({"draft_vocab_size": len(used), "coverage": cover, "mask_token_id": mask_id, **stats}, indent=1)
+        json.dumps(
+            {
+                "draft_vocab_size": len(used),
+                "coverage": cover,
+                "mask_token_id": mask_id,
+                "responses": len(records),
+                "response_tokens": int(sum(len(r["response_ids"]) for r in records)),
+                **stats,
+            },
+            indent=1,
+        )
     )
     log(f"draft vocab: {len(used)} ids cover {cover:.2%} of response tokens; mask token {mask_id}")
 
