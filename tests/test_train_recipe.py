@@ -173,3 +173,5 @@ def test_dataset_answers_and_warm_start(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: drafter.init ")
     assert "is a peagle drafter but optim.objective is eagle3" in proc.stderr
+    proc = _run("train/train.py", "--output", str(tmp_path / "bad"), *common, f"drafter.init={tmp_path / 'nothing'}")
+    assert proc.returncode == 2 and proc.stderr.strip().endswith("nothing: no such directory")

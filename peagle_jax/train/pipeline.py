@@ -132,6 +132,8 @@ def warm_start(recipe: Recipe, tcfg, cfg: ModelConfig, source: str, log):
     """``(dcfg, dparams, used)`` of the drafter at ``drafter.init``, checked against the target and the
     objective; ``used`` [U] are its draft vocabulary's target ids."""
     path = recipe.drafter.init
+    if not Path(path).is_dir():
+        raise ConfigError(f"drafter.init {path}: no such directory")
     dcfg, dparams = load_drafter(path, dtype="float32")
     problems = [
         (dcfg.algorithm != tcfg.objective, f"is a {dcfg.algorithm} drafter but optim.objective is {tcfg.objective}"),
