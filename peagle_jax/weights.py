@@ -9,6 +9,7 @@ Decoder layers are described once, by :func:`decoder_layer_rules`, for the targe
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -328,6 +329,13 @@ def parse_size(text: str | int) -> int:
     return size
 
 
+def _file_mode() -> int:
+    """The mode a new file gets under the process's umask (``open`` creates 0o666 & ~umask)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def write_safetensors(
     model_dir: str | Path, tensors: dict[str, np.ndarray], *, max_shard_size: int | None = None, progress=False
 ) -> list[Path]:
@@ -355,6 +363,7 @@ def write_safetensors(
         list(zip(shards, files, strict=True)), desc="writing", unit="file", disable=None if progress else True
     ):
         save_file(shard, str(f), metadata={"format": "pt"})
+        f.chmod(_file_mode())  # safetensors creates its files readable by the owner only
     if n > 1:
         weight_map = {name: f.name for shard, f in zip(shards, files, strict=True) for name in shard}
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}

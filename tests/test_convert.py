@@ -265,6 +265,11 @@ def test_sharded_output_and_input(tmp_path):
     files = to_torch(tmp_path / "jax", tmp_path / "sharded", max_shard_size="20KB")
     index = json.loads((tmp_path / "sharded/model.safetensors.index.json").read_text())
     assert len(files) > 1 and {f.name for f in files} == set(index["weight_map"].values())
+    umask = os.umask(0)
+    os.umask(umask)
+    # Readable as any file the user writes (safetensors alone creates them 0600: a server container running
+    # as another user could not read a converted model).
+    assert {f.stat().st_mode & 0o777 for f in files} == {0o666 & ~umask}
     assert sorted(index["weight_map"]) == sorted(read_safetensors(src))
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in read_safetensors(src).values())
     assert_same_tensors(read_safetensors(tmp_path / "sharded"), read_safetensors(src))
