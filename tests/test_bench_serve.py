@@ -50,15 +50,36 @@ def test_bench_serve_with_a_tree_in_bfloat16(tmp_path, capsys):
     out = tmp_path / "serve.json"
     argv = ["--model", str(model), "--drafter", str(drafter), "--tree", "0,1,00", "--concurrency", "1"]
     argv += ["--rounds", "1", "--max-tokens", "8", "--max-seq-len", "64", "--dtype", "bfloat16", "--json", str(out)]
-    assert bench_serve.main(argv) == 0
+    assert bench_serve.main([*argv, "--repeats", "2"]) == 0
     result = json.loads(out.read_text())
     tree = "speculative tree 0,1,00"
     assert list(result["modes"]) == ["plain", tree, f"{tree}, --load-k auto (default)"]
     assert result["config"]["dtype"] == "bfloat16"
     assert all(set(r["steps_by_k"]) == {"2"} for r in result["modes"][tree]["levels"])  # K': the tree's depth
-    assert f"| {tree} | 1 |" in capsys.readouterr().out
+    for mode in result["modes"].values():  # two repeats of one request each, pooled
+        (level,) = mode["levels"]
+        assert level["requests"] == 2 and len(level["throughput_per_repeat"]) == 2
+        assert level["throughput_tok_s"] == pytest.approx(level["tokens"] / level["wall_s"])
+    mine, plain = (result["modes"][m]["levels"][0]["throughput_per_repeat"] for m in (tree, "plain"))
+    ratios = [r / p for r, p in zip(mine, plain, strict=True)]
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {tree} | 1 |"))
+    assert f"({min(ratios):.2f}-{max(ratios):.2f}) |" in row
 
 
 def test_bench_serve_refuses_a_bad_tree(capsys):
     assert bench_serve.main(["--tree", "1,00"]) == 2
     assert capsys.readouterr().err.startswith("error: --tree '1,00'")
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--concurrency", "1,x"], "--concurrency must be positive integers"),
+        (["--concurrency", "0"], "--concurrency must be positive integers"),
+        (["--repeats", "0"], "--repeats must be at least 1"),
+        (["--max-tokens", "-3"], "--max-tokens must be at least 1"),
+    ],
+)
+def test_bench_serve_refuses_bad_counts(flags, message, capsys):
+    assert bench_serve.main(flags) == 2
+    assert message in capsys.readouterr().err

@@ -9,7 +9,9 @@ model and flags and waits until its graphs are compiled; all servers stay up, an
 each mode in turn runs ``--rounds`` x c streamed greedy completions from c client threads (each client sends
 its next request when the previous one ends). Per request it records the time to the first token (TTFT) and
 the time per output token after it (TPOT); per level the output-token throughput (generated tokens / wall
-time) and the engine steps at each draft length K' (from /metrics). Prints a markdown table and, with
+time) and the engine steps at each draft length K' (from /metrics). With ``--repeats N`` each level is
+measured N times, the modes taking turns, and the table adds the range of the N side-by-side ratios to
+plain, which shows how far a ratio is from this machine's noise. Prints a markdown table and, with
 ``--json FILE``, the raw numbers.
 
 A random drafter accepts almost nothing, so its numbers show the cost of speculation without its gain:
@@ -97,6 +99,8 @@ def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
 
 
 def run_level(base: str, model: str, concurrency: int, rounds: int, max_tokens: int) -> dict:
+    """``rounds`` x ``concurrency`` streamed greedy completions from ``concurrency`` client threads: each
+    request's TTFT, TPOT and tokens, and the wall time."""
     from openai import OpenAI
 
     client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=3600)
@@ -126,7 +130,15 @@ def run_level(base: str, model: str, concurrency: int, rounds: int, max_tokens: 
     wall = time.perf_counter() - t0
     if errors:
         raise RuntimeError(f"{len(errors)} request(s) failed at concurrency {concurrency}; first: {errors[0]}")
+    return {"results": results, "wall_s": wall}
+
+
+def summarize(concurrency: int, runs: list[dict]) -> dict:
+    """One level's numbers over its repeats (:func:`run_level` outputs): throughput = all tokens / all wall
+    time, percentiles over every request, and each repeat's throughput on its own."""
+    results = [r for run in runs for r in run["results"]]
     tokens = sum(r["tokens"] for r in results)
+    wall = sum(run["wall_s"] for run in runs)
     tpots = [r["tpot"] for r in results if r["tpot"] == r["tpot"]]
     ttfts = [r["ttft"] for r in results]
     return {
@@ -135,6 +147,7 @@ def run_level(base: str, model: str, concurrency: int, rounds: int, max_tokens: 
         "tokens": tokens,
         "wall_s": wall,
         "throughput_tok_s": tokens / wall,
+        "throughput_per_repeat": [sum(r["tokens"] for r in run["results"]) / run["wall_s"] for run in runs],
         "ttft_p50_s": _percentile(ttfts, 0.5),
         "ttft_p99_s": _percentile(ttfts, 0.99),
         "tpot_p50_s": _percentile(tpots, 0.5),
@@ -178,13 +191,33 @@ def main(argv=None) -> int:
     )
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts (default 1,4,16)")
     p.add_argument("--rounds", type=int, default=2, help="requests per client per level (default 2)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="measure each level this many times, the modes taking turns (default 1); the table adds the range "
+        "of the per-repeat ratios to plain",
+    )
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default 48)")
     p.add_argument("--max-seq-len", type=int, default=256, help="server --max-seq-len (default 256)")
     p.add_argument("--platform", help="server --platform (default: the server's, cpu)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="server --dtype (default: the server's, float32)")
     p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args(argv)
-    levels = [int(c) for c in args.concurrency.split(",")]
+    try:
+        levels = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        print(
+            f"error: --concurrency must be positive integers separated by commas, got {args.concurrency!r}",
+            file=sys.stderr,
+        )
+        return 2
+    for flag in ("rounds", "repeats", "max_tokens"):
+        if getattr(args, flag) < 1:
+            print(f"error: --{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}", file=sys.stderr)
+            return 2
     from peagle_jax.drafter.shipped import resolve_drafter
     from peagle_jax.errors import UserError
     from peagle_jax.verify import parse_tree
@@ -238,7 +271,8 @@ def main(argv=None) -> int:
 
 def run_modes(modes: dict[str, list[str]], levels: list[int], model: str, args) -> dict:
     """Start one server per mode (all alive at once), then at each concurrency level measure the modes one
-    after the other, so that a drift in the machine's speed hits every mode alike."""
+    after the other, ``args.repeats`` times over, so that a drift in the machine's speed hits every mode
+    alike."""
     out = {"config": vars(args), "modes": {name: {"levels": []} for name in modes}}
     logdir = Path(tempfile.mkdtemp(prefix="peagle-bench-serve-"))
     servers = {}
@@ -249,13 +283,18 @@ def run_modes(modes: dict[str, list[str]], levels: list[int], model: str, args) 
             out["modes"][name]["ready_s"] = ready_s
             run_level(servers[name][1], model, 1, 1, 4)  # one short request first: client and server are warm
         for c in levels:
+            runs: dict[str, list[dict]] = {name: [] for name in servers}
+            before = {name: steps_by_k(scrape(base)) for name, (_, base) in servers.items()}
+            for rep in range(args.repeats):
+                for name, (_, base) in servers.items():
+                    runs[name].append(run_level(base, model, c, args.rounds, args.max_tokens))
+                    tok_s = sum(r["tokens"] for r in runs[name][-1]["results"]) / runs[name][-1]["wall_s"]
+                    print(f"{name} c={c} [{rep + 1}/{args.repeats}]: {tok_s:.1f} tok/s", file=sys.stderr, flush=True)
             for name, (_, base) in servers.items():
-                before = steps_by_k(scrape(base))
-                row = run_level(base, model, c, args.rounds, args.max_tokens)
+                row = summarize(c, runs[name])
                 after = steps_by_k(scrape(base))
-                row["steps_by_k"] = {k: n - before.get(k, 0) for k, n in sorted(after.items())}
+                row["steps_by_k"] = {k: n - before[name].get(k, 0) for k, n in sorted(after.items())}
                 out["modes"][name]["levels"].append(row)
-                print(f"{name} c={c}: {row['throughput_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
         for name, (_, base) in servers.items():
             out["modes"][name]["acceptance_length"] = scrape(base).get("peagle_acceptance_length")
     finally:
@@ -273,20 +312,31 @@ def table(out: dict) -> str:
         "| steps by K' |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    plain = {r["concurrency"]: r["throughput_tok_s"] for r in out["modes"][names[0]]["levels"]}
+    plain = {r["concurrency"]: r for r in out["modes"][names[0]]["levels"]}
     for name in names:
         for r in out["modes"][name]["levels"]:
             lines.append(
                 f"| {name} | {r['concurrency']} | {r['requests']} | {r['throughput_tok_s']:.1f} | "
                 f"{1e3 * r['ttft_p50_s']:.0f} / {1e3 * r['ttft_p99_s']:.0f} | "
                 f"{1e3 * r['tpot_p50_s']:.0f} / {1e3 * r['tpot_p99_s']:.0f} | "
-                f"{r['throughput_tok_s'] / plain[r['concurrency']]:.2f}x | {_share(r.get('steps_by_k') or {})} |"
+                f"{_ratio(r, plain[r['concurrency']])} | {_share(r.get('steps_by_k') or {})} |"
             )
     for name in names[1:]:
         acc = out["modes"][name]["acceptance_length"]
         if acc is not None:
             lines.append(f"\n{name}: acceptance length {acc:.3f} tokens per speculative target forward")
     return "\n".join(lines)
+
+
+def _ratio(row: dict, plain: dict) -> str:
+    """Throughput over plain's, and with several repeats the range of the repeats' own ratios (each repeat's
+    modes ran back to back): ``1.08x (1.02-1.15)``."""
+    text = f"{row['throughput_tok_s'] / plain['throughput_tok_s']:.2f}x"
+    pairs = list(zip(row.get("throughput_per_repeat", []), plain.get("throughput_per_repeat", []), strict=False))
+    if len(pairs) > 1:
+        ratios = [a / b for a, b in pairs]
+        text += f" ({min(ratios):.2f}-{max(ratios):.2f})"
+    return text
 
 
 def _share(steps: dict) -> str:

@@ -161,7 +161,7 @@ def warm_start(recipe: Recipe, tcfg, cfg: ModelConfig, source: str, log):
         f"warm start from {path}: {dcfg.algorithm}, {dcfg.layer.num_layers} layers, draft vocab "
         f"{dcfg.draft_vocab_size}, mask token {dcfg.mask_token_id} (the recipe's drafter keys are not used)"
     )
-    return dcfg, jax.tree.map(jnp.asarray, dparams), used
+    return dcfg, dparams, used  # load_drafter's leaves are device arrays already
 
 
 def dataset_records(recipe: Recipe, cfg, tokenizer, log) -> list[dict]:
