@@ -133,6 +133,11 @@ def run_level(base: str, model: str, concurrency: int, rounds: int, max_tokens: 
     return {"results": results, "wall_s": wall}
 
 
+def _throughput(run: dict) -> float:
+    """Output tokens per second of one :func:`run_level` output."""
+    return sum(r["tokens"] for r in run["results"]) / run["wall_s"]
+
+
 def summarize(concurrency: int, runs: list[dict]) -> dict:
     """One level's numbers over its repeats (:func:`run_level` outputs): throughput = all tokens / all wall
     time, percentiles over every request, and each repeat's throughput on its own."""
@@ -147,7 +152,7 @@ def summarize(concurrency: int, runs: list[dict]) -> dict:
         "tokens": tokens,
         "wall_s": wall,
         "throughput_tok_s": tokens / wall,
-        "throughput_per_repeat": [sum(r["tokens"] for r in run["results"]) / run["wall_s"] for run in runs],
+        "throughput_per_repeat": [_throughput(run) for run in runs],
         "ttft_p50_s": _percentile(ttfts, 0.5),
         "ttft_p99_s": _percentile(ttfts, 0.99),
         "tpot_p50_s": _percentile(tpots, 0.5),
@@ -204,25 +209,15 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="server --dtype (default: the server's, float32)")
     p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args(argv)
-    try:
-        levels = [int(c) for c in args.concurrency.split(",")]
-    except ValueError:
-        levels = []
-    if not levels or min(levels) < 1:
-        print(
-            f"error: --concurrency must be positive integers separated by commas, got {args.concurrency!r}",
-            file=sys.stderr,
-        )
-        return 2
-    for flag in ("rounds", "repeats", "max_tokens"):
-        if getattr(args, flag) < 1:
-            print(f"error: --{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}", file=sys.stderr)
-            return 2
     from peagle_jax.drafter.shipped import resolve_drafter
     from peagle_jax.errors import UserError
     from peagle_jax.verify import parse_tree
 
     try:
+        levels = _levels(args.concurrency)
+        for flag in ("rounds", "repeats", "max_tokens"):
+            if getattr(args, flag) < 1:
+                raise UserError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
         if args.tree:
             parse_tree(args.tree)
     except UserError as err:
@@ -269,6 +264,19 @@ def main(argv=None) -> int:
     return 0
 
 
+def _levels(text: str) -> list[int]:
+    """``--concurrency``'s client counts."""
+    from peagle_jax.errors import UserError
+
+    try:
+        levels = [int(c) for c in text.split(",")]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise UserError(f"--concurrency must be positive integers separated by commas, got {text!r}")
+    return levels
+
+
 def run_modes(modes: dict[str, list[str]], levels: list[int], model: str, args) -> dict:
     """Start one server per mode (all alive at once), then at each concurrency level measure the modes one
     after the other, ``args.repeats`` times over, so that a drift in the machine's speed hits every mode
@@ -288,7 +296,7 @@ def run_modes(modes: dict[str, list[str]], levels: list[int], model: str, args) 
             for rep in range(args.repeats):
                 for name, (_, base) in servers.items():
                     runs[name].append(run_level(base, model, c, args.rounds, args.max_tokens))
-                    tok_s = sum(r["tokens"] for r in runs[name][-1]["results"]) / runs[name][-1]["wall_s"]
+                    tok_s = _throughput(runs[name][-1])
                     print(f"{name} c={c} [{rep + 1}/{args.repeats}]: {tok_s:.1f} tok/s", file=sys.stderr, flush=True)
             for name, (_, base) in servers.items():
                 row = summarize(c, runs[name])
