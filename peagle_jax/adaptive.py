@@ -98,9 +98,27 @@ class AdaptiveK:
         tries, accepts = self._counts[self._group(self.K if k is None else k)]
         return (accepts + 0.5) / (tries + 1.0)
 
-    def expected_tokens(self, k: int) -> float:
-        """Tokens a row emits per step drafting ``k``: 1 + the expected accepted prefix."""
-        return 1.0 + float(np.cumprod(self.acceptance(k)[:k]).sum())
+    def expected_tokens(self, k: int, synced: float = 1.0) -> float:
+        """Tokens a row emits per step drafting ``k``: 1 + the expected accepted prefix, of which only the
+        ``synced`` fraction of rows (those whose drafter context is current, see the slot engine) get any."""
+        return 1.0 + synced * float(np.cumprod(self.acceptance(k)[:k]).sum())
+
+    def _scores(self, rows: int, synced: float = 1.0) -> dict[int, float] | None:
+        """Expected tokens per second of each candidate at ``rows`` (the plain step's with the margin), or
+        None while one's step time is unknown."""
+        times = {k: self.step_time(rows, k) for k in self.candidates}
+        if any(t is None for t in times.values()):
+            return None
+        score = {k: self.expected_tokens(k, synced) / times[k] for k in self.candidates}
+        score[self.candidates[0]] *= 1.0 + self.margin  # a drafting K' must win by the margin
+        return score
+
+    def pays(self, rows: int) -> bool:
+        """Whether drafting is expected to beat the plain step at ``rows`` with every row's drafter current
+        (True while a step time there is unknown). No side effects: the slot engine asks it whether to keep
+        the drafter current for a row (a prefill, a flush), :meth:`choose` what to run."""
+        score = self._scores(rows)
+        return score is None or max(score, key=score.get) != self.candidates[0]
 
     def _stale(self, rows: int, k: int) -> bool:
         """Whether ``k`` was timed at ``rows`` before, but not in the last ``retime_every`` steps."""
@@ -123,16 +141,17 @@ class AdaptiveK:
         near = min(known, key=lambda r: (abs(np.log2(r) - np.log2(rows)), r))
         return self.step_s[(rows, base)] * self.step_s[(near, k)] / self.step_s[(near, base)]
 
-    def choose(self, rows: int) -> int:
-        """The draft length of the next step over ``rows`` rows."""
+    def choose(self, rows: int, synced: float = 1.0) -> int:
+        """The draft length of the next step over ``rows`` rows, of which the ``synced`` fraction of the
+        live ones have a current drafter context (none: a plain step, nothing could be accepted or learnt)."""
         self.steps += 1
-        times = {k: self.step_time(rows, k) for k in self.candidates}
         for k in self.candidates:
-            if times[k] is None:
+            if self.step_time(rows, k) is None:
                 return k
         base = self.candidates[0]
-        score = {k: self.expected_tokens(k) / times[k] for k in self.candidates}
-        score[base] *= 1.0 + self.margin  # a drafting K' must win by the margin
+        if synced <= 0:
+            return base
+        score = self._scores(rows, synced)
         best = max(self.candidates, key=score.get)
         if best != base and self._stale(rows, base):
             return base  # re-time the plain step: its time may have moved since it last ran here

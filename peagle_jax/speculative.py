@@ -177,8 +177,13 @@ class SpecState:
     ``q`` is the position of each row's root (its last committed token, not yet in the target cache) and
     ``root`` that token; the drafter's next context is the ``ctx_count`` elements committed since the last
     draft or flush (``ctx_tokens`` [B, Q] with their target aux states ``ctx_aux`` [B, Q, X]), the first at
-    drafter position ``ctx_start``; a draft reads the first K + 1 slots (a flush first where more are
-    queued). A row that is not live keeps its state, so it idles in place.
+    drafter position ``ctx_start`` (``q - ctx_count``); a draft reads the first K + 1 slots (a flush
+    first where more are queued). A row that is not live keeps its state, so it idles in place.
+
+    ``synced`` [B]: whether the row's drafter cache holds its whole committed context. A row the slot engine
+    decodes plainly under load may skip the drafter's work (:meth:`desync`); its drafts are then guesses
+    from a stale context, which verification makes harmless (outputs never depend on the drafts) but which
+    are not accepted often, so the engine's policy does not learn from them and counts only synced rows.
     """
 
     ctx_tokens: np.ndarray
@@ -187,6 +192,7 @@ class SpecState:
     ctx_start: np.ndarray
     q: np.ndarray
     root: np.ndarray
+    synced: np.ndarray
 
     @classmethod
     def start(cls, first_B, last_aux_BX, lengths_B, C: int) -> SpecState:
@@ -197,14 +203,16 @@ class SpecState:
         ctx_tokens[:, 0] = first_B
         ctx_aux = jnp.zeros((B, C, last_aux_BX.shape[-1]), last_aux_BX.dtype).at[:, 0].set(last_aux_BX)
         lengths = np.asarray(lengths_B, np.int32)
-        return cls(ctx_tokens, ctx_aux, np.ones(B, np.int32), lengths - 1, lengths.copy(), np.asarray(first_B).copy())
+        first = np.asarray(first_B).copy()
+        return cls(ctx_tokens, ctx_aux, np.ones(B, np.int32), lengths - 1, lengths.copy(), first, np.ones(B, bool))
 
     def rows(self, R: int) -> SpecState:
         """The first R rows (views of the host arrays; ``ctx_aux`` sliced when R < B)."""
         if R == len(self.q):
             return self
         s = self
-        return SpecState(s.ctx_tokens[:R], s.ctx_aux[:R], s.ctx_count[:R], s.ctx_start[:R], s.q[:R], s.root[:R])
+        views = (s.ctx_tokens, s.ctx_aux, s.ctx_count, s.ctx_start, s.q, s.root, s.synced)
+        return SpecState(*(x[:R] for x in views))
 
     def advance(self, tokens_RC, count_R, aux_RWX, live_R) -> None:
         """Commit a draft -> verify step's output for the live rows among the first R (= ``len(count_R)``);
@@ -229,6 +237,14 @@ class SpecState:
         self.ctx_count[rows] += 1
         self.q[rows] += 1
         return at_R
+
+    def desync(self, rows, keep: int) -> None:
+        """Stop keeping the drafter current for ``rows`` (indices): their queued context is dropped but for
+        ``keep`` >= 1 elements (a draft reads at least one), with no drafter work; their later drafts run on
+        a stale context until the slot engine re-seeds the drafter (:meth:`SlotEngine.admit`'s prefill)."""
+        self.synced[rows] = False
+        self.ctx_count[rows] = np.minimum(self.ctx_count[rows], keep)
+        self.ctx_start[rows] = self.q[rows] - self.ctx_count[rows]
 
     def commit_plain(self, tokens_R, at_R, live_R) -> None:
         """The read tokens of a plain step join the live rows' context (at slots ``at_R``) and become their
@@ -322,13 +338,14 @@ class SpeculativeGenerator(Generator):
             return sequential_draft(*args, self.embed, **kw)
         return parallel_draft(*args, self.mask_g, self.embed, **kw)
 
-    def prefill_both(self, prompts: Sequence[Sequence[int]], batch: int):
+    def prefill_both(self, prompts: Sequence[Sequence[int]], batch: int, drafter: bool = True):
         """Prefill the target and seed the drafter with the prompts (padded to ``batch`` rows). Returns
         (last-token logits [batch, V], target cache, drafter cache, aux [batch, X] of each last prompt
-        position: the aux half of the first draft's context element)."""
+        position: the aux half of the first draft's context element). Without ``drafter`` the drafter is
+        not run (its cache is None), for a row the slot engine leaves unsynced (:attr:`SpecState.synced`)."""
         lengths = np.array([len(p) for p in prompts] + [1] * (batch - len(prompts)), np.int32)
-        dcache = new_drafter_cache(self.dcfg, batch, self.num_slots)
-        if self.mesh is not None:
+        dcache = new_drafter_cache(self.dcfg, batch, self.num_slots) if drafter else None
+        if drafter and self.mesh is not None:
             from peagle_jax import sharding
 
             dcache = (sharding.shard_cache if self.shard_drafter else sharding.replicate)(dcache, self.mesh)
@@ -336,22 +353,23 @@ class SpeculativeGenerator(Generator):
 
         def seed_drafter(out, start, T):
             nonlocal dcache
-            # Element j pairs prompt token j+1 with the target aux of j; the last one (the first
-            # generated token) is unknown yet and written by the first draft.
-            toks = np.zeros((batch, T), np.int32)
-            for b, p in enumerate(prompts):
-                piece = p[start + 1 : start + 1 + T]
-                toks[b, : len(piece)] = piece
-            dcache = drafter_prefill(
-                self.dparams,
-                dcache,
-                jnp.asarray(toks),
-                out.aux,
-                jnp.full(batch, start, jnp.int32),
-                self.embed,
-                cfg=self.dcfg,
-                window=self.window(start + T),
-            )
+            if drafter:
+                # Element j pairs prompt token j+1 with the target aux of j; the last one (the first
+                # generated token) is unknown yet and written by the first draft.
+                toks = np.zeros((batch, T), np.int32)
+                for b, p in enumerate(prompts):
+                    piece = p[start + 1 : start + 1 + T]
+                    toks[b, : len(piece)] = piece
+                dcache = drafter_prefill(
+                    self.dparams,
+                    dcache,
+                    jnp.asarray(toks),
+                    out.aux,
+                    jnp.full(batch, start, jnp.int32),
+                    self.embed,
+                    cfg=self.dcfg,
+                    window=self.window(start + T),
+                )
             at = np.clip(lengths - 1 - start, 0, T - 1)
             here = jnp.asarray((lengths - 1 >= start) & (lengths - 1 < start + T))[:, None]
             aux_last = jnp.take_along_axis(out.aux, jnp.asarray(at)[:, None, None], axis=1)[:, 0]
@@ -449,13 +467,15 @@ class SpeculativeGenerator(Generator):
         tokens[:, 0] = next_R
         return tokens
 
-    def _launch_plain(self, cache, dcache, state: SpecState, seeds, sampling, greedy_only: bool, live, root=None):
+    def _launch_plain(
+        self, cache, dcache, state: SpecState, seeds, sampling, greedy_only: bool, live, root=None, lazy=False
+    ):
         """Launch a plain step over the first R = ``len(live)`` rows without waiting for it
         (:meth:`SpecState.advance_plain`). ``root`` [R] (on the device): the roots to decode, e.g. the unread
-        output of the previous plain step; by default the host's. Returns (next token [R] on the device, each
-        row's context slot for it, cache, dcache)."""
+        output of the previous plain step; by default the host's. ``lazy``: see :meth:`make_room`. Returns
+        (next token [R] on the device, each row's context slot for it, cache, dcache)."""
         R = len(live)
-        dcache = self.make_room(dcache, state, R)
+        dcache = self.make_room(dcache, state, R, lazy=lazy)
         # Copies: the host state moves on at once, maybe while the step still reads it.
         next_R, cache, state.ctx_aux = plain_step(
             self.params,
@@ -476,21 +496,28 @@ class SpeculativeGenerator(Generator):
         self.spec.plain_forwards += int(np.sum(live))
         return next_R, at, cache, dcache
 
-    def needs_flush(self, state: SpecState, rows: int, full: int | None = None) -> bool:
+    def needs_flush(self, state: SpecState, rows: int, full: int | None = None, lazy: bool = False) -> bool:
         """Whether :meth:`make_room` would write the pending context (one of the first ``rows`` rows holds
-        ``full``, by default Q, or more queued elements)."""
-        return bool((state.ctx_count[:rows] >= (full or self.Q)).any())
+        ``full``, by default Q, or more queued elements, and keeps its drafter current: never when ``lazy``)."""
+        return not lazy and bool(((state.ctx_count[:rows] >= (full or self.Q)) & state.synced[:rows]).any())
 
-    def make_room(self, dcache, state: SpecState, rows: int, full: int | None = None):
+    def make_room(self, dcache, state: SpecState, rows: int, full: int | None = None, lazy: bool = False):
         """Where one of the first ``rows`` rows holds ``full`` (default Q: before a plain step, whose element
         would not fit) or more queued context elements, write the pending context of every row into the
         drafter cache (:func:`flush_context`) and keep only each row's last element pending; before a draft
         ``full`` is K + 2 (a draft reads at most K + 1). All rows start over together, so rows that fill at
         different steps (requests that came at different times) share one flush rather than one each. A
         row's pending elements are the same either way (written now or by its next draft; slots past them
-        are written again before any query sees them), so this changes no output. Returns the drafter
-        cache; ``state`` is updated in place."""
-        Q = self.Q
+        are written again before any query sees them), so this changes no output.
+
+        A full row that is not synced (:attr:`SpecState.synced`), or any full row when ``lazy`` (the slot
+        engine decodes plainly under load), is desynced instead (:meth:`SpecState.desync`, no drafter work).
+        Returns the drafter cache; ``state`` is updated in place."""
+        Q, full = self.Q, full or self.Q
+        count = state.ctx_count[:rows]
+        drop = (count >= full) & (~state.synced[:rows] | lazy)
+        if drop.any():
+            state.desync(np.flatnonzero(drop), keep=full - 1)
         if not self.needs_flush(state, rows, full):
             return dcache
         count, start = state.ctx_count[:rows], state.ctx_start[:rows]

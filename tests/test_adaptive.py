@@ -284,3 +284,25 @@ def test_a_tree_keeps_its_own_acceptance():
     assert abs(policy.acceptance(3)[0] - 0.44) < 0.1 and abs(policy.acceptance(1)[0] - 0.27) < 0.15
     shared = drive(AdaptiveK([0, 1, 3]), 1500, np.random.default_rng(5))[500:]
     assert shared.count(3) < 0.5 * len(shared)  # what the shared estimate did
+
+
+def test_only_synced_rows_count_towards_drafting():
+    """``pays`` answers whether drafting beats plain steps with every drafter current (True while a time is
+    unknown); ``choose`` scales the expected accepted tokens by the synced fraction of the rows: with a
+    quarter of them synced a step that pays for all loses, and with none it runs plain steps without exploring."""
+    policy = AdaptiveK([0, 3], explore_every=4, decay=1.0)
+    assert policy.pays(4)
+    for _ in range(policy.min_samples + 1):
+        policy.record(4, 0, 1.0)
+        policy.record(4, 3, 1.5, [1])
+    policy.tries[:], policy.accepts[:] = 1e6, 0.8e6  # E(3) = 1 + .8 + .64 + .512 = 2.95 tokens in 1.5 plain steps
+    assert policy.expected_tokens(3) == pytest.approx(2.952, rel=1e-3)
+    assert policy.expected_tokens(3, synced=0.25) == pytest.approx(1.488, rel=1e-3)
+    assert policy.pays(4) and policy.choose(4) == 3 and policy.choose(4, synced=0.5) == 3  # 1.98 / 1.5 > 1.05
+    assert policy.choose(4, synced=0.25) == 0  # 1.49 / 1.5 < 1.05
+    assert [policy.choose(4, synced=0.0) for _ in range(40)] == [0] * 40  # no explorations either
+    assert policy.pays(4)  # the verdict for the rows' drafters kept current does not move
+    policy.record(4, 3, 4.0, [1])
+    for _ in range(20):
+        policy.record(4, 3, 4.0)
+    assert not policy.pays(4)  # 2.95 / 4 < 1.05 / 1

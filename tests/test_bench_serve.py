@@ -31,6 +31,13 @@ def test_bench_serve_runs_every_mode_and_reports_steps_by_k(tmp_path, capsys):
         assert [r["concurrency"] for r in levels] == [1, 2]
         assert all(r["requests"] == 2 * r["concurrency"] and r["throughput_tok_s"] > 0 for r in levels)
         steps = [{int(k): n for k, n in r["steps_by_k"].items()} for r in levels]
+        lazy = [(r.get("unsynced_admissions"), r.get("drafter_resyncs")) for r in levels]
+        if name.startswith("plain"):
+            assert lazy == [(None, None)] * 2
+        elif "auto" not in name:  # a fixed K keeps every drafter current
+            assert lazy == [(0, 0)] * 2
+        else:
+            assert all(n >= 0 and m >= 0 for n, m in lazy)
         if name.startswith("plain"):
             assert steps == [{}, {}]
         elif name == "speculative K=2":

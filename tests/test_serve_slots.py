@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from peagle_jax import model as M
+from peagle_jax import speculative as SP
 from peagle_jax import verify as V
+from peagle_jax.adaptive import AdaptiveK
 from peagle_jax.config import ModelConfig
 from peagle_jax.drafter import draft as D
 from peagle_jax.drafter.config import DrafterConfig
@@ -244,6 +246,77 @@ def test_plain_steps_write_the_drafter_cache_a_draft_would(models):
             for x, y in zip(jax.tree.leaves(other), jax.tree.leaves(rows[2]), strict=True):
                 np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-3)
                 assert np.abs(x).max() > 1.0  # real keys and values, not an empty cache
+
+
+class _Verdict(AdaptiveK):
+    """A policy whose verdict the test sets: while ``drafting`` steps draft the whole tree (where a busy row
+    is synced), else they are plain."""
+
+    drafting = False
+
+    def pays(self, rows):
+        return self.drafting
+
+    def choose(self, rows, synced=1.0):
+        self.steps += 1
+        return 3 if self.drafting and synced > 0 else 0
+
+
+def test_lazy_drafter_under_load(models, monkeypatch):
+    """Where drafting does not pay, requests are admitted without the drafter prefill and full context queues
+    are dropped rather than flushed: no drafter work at all. Once it pays, each unsynced row with a queue's
+    worth of tokens left is re-seeded (one per step): its drafter cache then holds what a drafter kept
+    current all along holds, its drafts are accepted again, and outputs stay those of plain decoding."""
+    params, dparams = models
+    plain = Generator(CFG, params, max_seq_len=96)
+    spec = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, max_seq_len=96)
+    work = {"flush_context": 0, "drafter_prefill": 0}
+    for name in work:
+        real = getattr(SP, name)
+
+        def counted(*a, name=name, real=real, **kw):
+            work[name] += 1
+            return real(*a, **kw)
+
+        monkeypatch.setattr(SP, name, counted)
+    # (prompt, max_new_tokens, temperature, seed): the last ends with fewer than Q tokens left when drafting
+    # pays again, so it is never re-seeded.
+    requests = [([1, 2, 3, 4, 0], 60, 0.0, 0), ([1, 3, 2], 64, 0.8, 4), ([4, 4, 1, 0], 30, 0.0, 0)]
+    runs = {}
+    for lazy in (True, False):
+        engine = SlotEngine(spec, 3, adaptive=True)
+        engine.policy = _Verdict([0, 1, 3])
+        reqs = [SlotRequest(p, n, t, seed=seed, stop_token_ids=[]) for p, n, t, seed in requests]
+        out = {r.id: [] for r in reqs}
+        for r in reqs:
+            ev = engine.admit(r)
+            out[r.id] += ev.tokens
+        if lazy:
+            assert engine.unsynced_admits == 3 and not engine.state.synced[:3].any()
+            assert work == {"flush_context": 0, "drafter_prefill": 0}
+        engine.policy.drafting = not lazy
+        steps = 0
+        while engine.state.ctx_start[:2].min() < 40:  # rows 0 and 1 still run when it ends
+            if lazy and steps == 20:  # 20 plain steps read, 21 launched (queues filled and were dropped)
+                assert work == {"flush_context": 0, "drafter_prefill": 0} and engine.steps_by_k == {0: 21}
+                assert engine.overlapped >= 18 and (engine.state.ctx_count[:3] <= spec.Q).all()  # 21 elements queued
+                engine.policy.drafting = True
+            for ev in engine.step():
+                out[ev.request.id] += ev.tokens
+            steps += 1
+            assert steps < 60
+        runs[lazy] = engine, [out[r.id] for r in reqs]
+    (engine, outs), (kept, kept_outs) = runs[True], runs[False]
+    refs = [_reference(plain, (p, n, t, 0, 1.0, seed, [])) for p, n, t, seed in requests]
+    for out, kept_out, ref in zip(outs, kept_outs, refs, strict=True):
+        assert len(out) > 25 and out == ref[: len(out)] and kept_out == ref[: len(kept_out)]
+    assert engine.resyncs == 2 and list(engine.state.synced[:3]) == [True, True, False]
+    assert engine.steps_by_k[3] > 0 and spec.spec.accepted_per_position[0] > 0
+    for b in range(2):  # the re-seeded rows' committed drafter context, against the engine that kept it
+        n = int(min(engine.state.ctx_start[b], kept.state.ctx_start[b]))
+        assert n >= 40
+        for x, y in zip(jax.tree.leaves(engine.dcache), jax.tree.leaves(kept.dcache), strict=True):
+            np.testing.assert_allclose(np.asarray(x[b, :, :n]), np.asarray(y[b, :, :n]), rtol=1e-4, atol=1e-3)
 
 
 def test_adaptive_k_equals_generators_and_measures(models):

@@ -88,6 +88,8 @@ def test_ping_and_acceptance_metrics(server):
     assert m['peagle_requests_total{endpoint="invocations",outcome="ok"}'] >= 1
     # --load-k 3:1: steps with all 3 slots busy drafted 1 token, the others K.
     assert m['peagle_speculative_steps_total{k="1"}'] > 0 and m[f'peagle_speculative_steps_total{{k="{K}"}}'] > 0
+    # Fixed load thresholds keep every drafter current (only --load-k auto leaves it behind under load).
+    assert m["peagle_unsynced_admissions_total"] == m["peagle_drafter_resyncs_total"] == 0
 
 
 def test_sagemaker_defaults(tmp_path, monkeypatch):

@@ -169,6 +169,13 @@ def scrape(base: str) -> dict[str, float]:
     return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in lines if line and line[0] != "#")}
 
 
+# The drafter work the default (--load-k auto) skipped under load, and caught up: JSON key -> metric.
+LAZY_DRAFTER = {
+    "unsynced_admissions": "peagle_unsynced_admissions_total",
+    "drafter_resyncs": "peagle_drafter_resyncs_total",
+}
+
+
 def steps_by_k(metrics: dict[str, float]) -> dict[int, float]:
     """Engine steps at each draft length K' (0: plain) so far."""
     prefix = 'peagle_speculative_steps_total{k="'
@@ -292,7 +299,7 @@ def run_modes(modes: dict[str, list[str]], levels: list[int], model: str, args) 
             run_level(servers[name][1], model, 1, 1, 4)  # one short request first: client and server are warm
         for c in levels:
             runs: dict[str, list[dict]] = {name: [] for name in servers}
-            before = {name: steps_by_k(scrape(base)) for name, (_, base) in servers.items()}
+            before = {name: scrape(base) for name, (_, base) in servers.items()}
             for rep in range(args.repeats):
                 for name, (_, base) in servers.items():
                     runs[name].append(run_level(base, model, c, args.rounds, args.max_tokens))
@@ -300,8 +307,11 @@ def run_modes(modes: dict[str, list[str]], levels: list[int], model: str, args) 
                     print(f"{name} c={c} [{rep + 1}/{args.repeats}]: {tok_s:.1f} tok/s", file=sys.stderr, flush=True)
             for name, (_, base) in servers.items():
                 row = summarize(c, runs[name])
-                after = steps_by_k(scrape(base))
-                row["steps_by_k"] = {k: n - before[name].get(k, 0) for k, n in sorted(after.items())}
+                after, was = scrape(base), before[name]
+                row["steps_by_k"] = {k: n - steps_by_k(was).get(k, 0) for k, n in sorted(steps_by_k(after).items())}
+                for key, metric in LAZY_DRAFTER.items():
+                    if metric in after:
+                        row[key] = after[metric] - was[metric]
                 out["modes"][name]["levels"].append(row)
         for name, (_, base) in servers.items():
             out["modes"][name]["acceptance_length"] = scrape(base).get("peagle_acceptance_length")

@@ -202,6 +202,8 @@ def serve(args, engine, tokenizer, stops, name) -> int:
     metrics.max_slots = engine.B
     metrics.spec_stats = engine.gen.spec if engine.speculative else None
     metrics.steps_by_k = engine.steps_by_k if engine.speculative else None
+    if engine.speculative:
+        metrics.lazy_drafter = lambda: (engine.unsynced_admits, engine.resyncs)
     worker = EngineWorker(engine, max_queue=args.max_queue, metrics=metrics)
     metrics.queue_depth = lambda: worker.queue_depth
     metrics.active_slots = lambda: engine.active

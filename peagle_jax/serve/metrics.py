@@ -30,6 +30,7 @@ class Metrics:
         self.max_slots = 0
         self.spec_stats = None  # a SpecStats, when serving with a drafter
         self.steps_by_k: dict[int, int] | None = None  # speculative steps at each K (the engine's dict)
+        self.lazy_drafter: Callable[[], tuple[int, int]] | None = None  # (unsynced admissions, re-seeds)
 
     def request(self, endpoint: str, outcome: str) -> None:
         with self._lock:
@@ -118,6 +119,20 @@ class Metrics:
                 "Drafts accepted at each depth (1-based).",
                 [("", {"position": str(k + 1)}, n) for k, n in enumerate(spec.accepted_per_position)],
             )
+            if self.lazy_drafter is not None:
+                unsynced, resyncs = self.lazy_drafter()
+                family(
+                    "unsynced_admissions_total",
+                    "counter",
+                    "Requests admitted without the drafter prefill, where drafting did not pay (--load-k auto).",
+                    [("", {}, unsynced)],
+                )
+                family(
+                    "drafter_resyncs_total",
+                    "counter",
+                    "Requests whose drafter context was re-seeded (a prefill) once drafting paid again.",
+                    [("", {}, resyncs)],
+                )
             family(
                 "acceptance_rate",
                 "gauge",

@@ -77,6 +77,7 @@ class _Slot:
     request: SlotRequest
     stops: frozenset[int]
     produced: int = 0
+    tokens: list[int] = dataclasses.field(default_factory=list)  # generated so far (to re-seed the drafter)
 
 
 @jax.jit
@@ -138,6 +139,13 @@ class SlotEngine:
         self.policy = None
         if adaptive:
             self.policy = adaptive_policy(gen.tree)
+        # With the adaptive policy, the drafter's work is lazy: where drafting does not pay (the policy's
+        # :meth:`~peagle_jax.adaptive.AdaptiveK.pays`), a request is admitted without the drafter prefill and
+        # a row whose context queue fills is desynced rather than flushed (SpecState.desync); once drafting
+        # pays again, one unsynced row per step is re-seeded (:meth:`_resync`).
+        self.lazy = adaptive
+        self.resyncs = 0  # rows re-seeded
+        self.unsynced_admits = 0  # requests admitted without the drafter prefill
         self.steps_by_k: dict[int, int] = {}  # steps run at each K' (0: plain steps)
         self.overlapped = 0  # plain steps launched before the last one was read
         self.slots: list[_Slot | None] = [None] * max_batch
@@ -227,6 +235,7 @@ class SlotEngine:
         out, finish = [], None
         for tok in tokens:
             out.append(int(tok))
+            slot.tokens.append(int(tok))
             slot.produced += 1
             if int(tok) in slot.stops:
                 finish = "stop"
@@ -259,22 +268,17 @@ class SlotEngine:
         seed = jnp.asarray([req.seed], jnp.uint32)
         greedy = req.temperature == 0
         if self.speculative:
-            logits, cache1, dcache1, aux1 = gen.prefill_both([prompt], 1)
+            live = np.array([s is not None or i == b for i, s in enumerate(self.slots)])
+            synced = not self.lazy or self.policy.pays(self.rows_for(live))
+            logits, cache1, dcache1, aux1 = gen.prefill_both([prompt], 1, drafter=synced)
+            self.unsynced_admits += not synced
         else:
             logits, cache1 = gen.prefill([prompt], 1)
         first = int(sample_jit(logits, sampling, seed, jnp.asarray([len(prompt)], jnp.int32), greedy_only=greedy)[0])
-        slot_b = jnp.int32(b)
+        self.cache = put_row(self.cache, cache1, jnp.int32(b))
         if self.speculative:
-            ctx_aux1 = jnp.zeros((1, *self.state.ctx_aux.shape[1:]), aux1.dtype).at[:, 0].set(aux1)
-            self.cache, self.dcache, self.state.ctx_aux = put_row(
-                (self.cache, self.dcache, self.state.ctx_aux), (cache1, dcache1, ctx_aux1), slot_b
-            )
-            s = self.state
-            s.ctx_tokens[b] = 0
-            s.ctx_tokens[b, 0] = first
-            s.ctx_count[b], s.ctx_start[b], s.q[b], s.root[b] = 1, len(prompt) - 1, len(prompt), first
+            self._seed_context(b, len(prompt), dcache1, aux1, first)
         else:
-            self.cache = put_row(self.cache, cache1, slot_b)
             self.pending[b], self.positions[b] = first, len(prompt)
         self.temperature[b], self.top_k[b], self.top_p[b] = req.temperature, req.top_k, req.top_p
         self.seeds[b] = np.uint32(req.seed & 0xFFFFFFFF)
@@ -283,6 +287,46 @@ class SlotEngine:
         stops = gen.cfg.eos_token_ids if req.stop_token_ids is None else req.stop_token_ids
         self.slots[b] = _Slot(req, frozenset(int(t) for t in stops))
         return self._emit(b, [first])
+
+    def _seed_context(self, b: int, length: int, dcache1, aux1, root: int) -> None:
+        """Row b's drafter state after a prefill of its first ``length`` committed tokens (all but the last,
+        ``root``): the 1-row drafter cache (None: the drafter did not run, the row is unsynced) and the aux
+        state of the last prefilled position, paired with ``root`` as the one queued context element."""
+        s = self.state
+        if dcache1 is not None:
+            self.dcache = put_row(self.dcache, dcache1, jnp.int32(b))
+        ctx_aux1 = jnp.zeros((1, *s.ctx_aux.shape[1:]), aux1.dtype).at[:, 0].set(aux1)
+        s.ctx_aux = put_row(s.ctx_aux, ctx_aux1, jnp.int32(b))
+        s.ctx_tokens[b] = 0
+        s.ctx_tokens[b, 0] = root
+        s.ctx_count[b], s.ctx_start[b], s.q[b], s.root[b] = 1, length - 1, length, root
+        s.synced[b] = dcache1 is not None
+
+    def _resync_row(self, R: int) -> int | None:
+        """The unsynced busy row among the first R to re-seed now (:meth:`_resync`), where drafting pays at R:
+        the one with the most tokens left, if at least a queue's worth (a re-seed costs about a prefill of
+        the row's tokens, which a few drafted steps must win back). None: no row to re-seed."""
+        if not self.lazy or self.state.synced[:R].all() or not self.policy.pays(R):
+            return None
+        left = {
+            b: s.request.max_new_tokens - s.produced
+            for b, s in enumerate(self.slots[:R])
+            if s is not None and not self.state.synced[b] and s.tokens
+        }
+        b = max(left, key=left.get, default=None)
+        return b if b is not None and left[b] >= self.gen.Q else None
+
+    def _resync(self, b: int) -> None:
+        """Re-seed row b's drafter (no step launched and unread): prefill its committed tokens but the last
+        through the target (for the aux states; its own cache row is kept) and the drafter, as an admission
+        does. The policy does not time the next step (:meth:`_record`), as after an admission."""
+        slot = self.slots[b]
+        tokens = [*slot.request.prompt, *slot.tokens]
+        assert self.state.q[b] == len(tokens) - 1 and self.state.root[b] == tokens[-1]
+        _, _, dcache1, aux1 = self.gen.prefill_both([tokens[:-1]], 1)
+        self._seed_context(b, len(tokens) - 1, dcache1, aux1, tokens[-1])
+        self.resyncs += 1
+        self._t_admit = time.perf_counter()
 
     def cancel(self, request_id: int) -> SlotEvent | None:
         """Free the slot of request ``request_id`` at once; None when it holds no slot."""
@@ -318,6 +362,9 @@ class SlotEngine:
         R = self.rows_for(live)
         if launched is None:
             explicit = tree is not None
+            resync = None if explicit else self._resync_row(R)
+            if resync is not None:
+                self._resync(resync)
             tree = tree or self._choose(R)
             if tree.depth:
                 return self._speculative_step(live, R, tree, record=not explicit)
@@ -325,12 +372,13 @@ class SlotEngine:
             if explicit or not self.overlap:
                 return self._read(launched, record=not explicit)
         # The next step is chosen now; a plain one is launched on the unread tokens of this one, unless a
-        # drafter-context flush is due (it embeds the queued tokens: it waits until they are read) or the
-        # row bucket changes.
+        # drafter-context flush or re-seed is due (they embed the queued tokens: they wait until those are
+        # read) or the row bucket changes.
         following = self._choose(R)
         valid = self._valid(launched)
         wants = self._wants(valid, live)[:R]
-        flush = self.speculative and self.gen.needs_flush(self.state, R)
+        flush = self.speculative and self.gen.needs_flush(self.state, R, lazy=self._lazy(R))
+        flush = flush or self._resync_row(R) is not None
         if not following.depth and wants.any() and launched.R == R and not flush:
             fresh = wants & ~valid
             host = self.state.root[:R] if self.speculative else self.pending[:R]
@@ -350,8 +398,14 @@ class SlotEngine:
         if not self.speculative:
             return chain(0)
         if self.policy is not None:
-            return self.gen.choices[self.policy.choose(R)]
+            busy = [b for b in range(R) if self.slots[b] is not None]
+            synced = float(np.mean(self.state.synced[busy])) if busy else 1.0
+            return self.gen.choices[self.policy.choose(R, synced)]
         return self.tree_for(self.active) or self.gen.tree
+
+    def _lazy(self, R: int) -> bool:
+        """Whether plain steps over R rows leave the drafter behind (see :attr:`lazy`): drafting does not pay."""
+        return self.lazy and not self.policy.pays(R)
 
     def _valid(self, launched: _Launched) -> np.ndarray:
         """The rows of a launched step whose token counts: live at launch and still holding that request."""
@@ -379,7 +433,7 @@ class SlotEngine:
         at = None
         if self.speculative:
             next_R, at, self.cache, self.dcache = gen._launch_plain(
-                self.cache, self.dcache, self.state, seeds, sampling, greedy_only, live_R, root=root
+                self.cache, self.dcache, self.state, seeds, sampling, greedy_only, live_R, root, self._lazy(R)
             )
         else:
             positions = self.positions[:R]
@@ -430,7 +484,8 @@ class SlotEngine:
         tokens, count, k, self.cache, self.dcache = self.gen.run_step(
             self.cache, self.dcache, self.state, seeds, sampling, greedy_only=greedy_only, live=live[:R], tree=tree
         )
-        self._record(R, k, time.perf_counter(), count[live[:R]], learn=record)
+        # The policy learns the acceptance of synced rows only: the others drafted from a stale context.
+        self._record(R, k, time.perf_counter(), count[live[:R] & self.state.synced[:R]], learn=record)
         self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
         return [self._emit(b, tokens[b, : int(count[b])]) for b in np.flatnonzero(live)]
 
@@ -458,6 +513,7 @@ class SlotEngine:
         total += len(calibration) * repeats
         budget = MapBudget(total, f"{self.B} slots x {gen.max_seq_len} tokens ({self.describe()})")
         done = 0
+        lazy, self.lazy = self.lazy, False  # every row keeps its drafter current: the flushes compile too
 
         def advance():
             nonlocal done
@@ -488,7 +544,8 @@ class SlotEngine:
         if self.speculative:
             gen.spec.reset()  # in place: the server's /metrics reads this object
         self.steps_by_k.clear()
-        self.overlapped = 0
+        self.overlapped = self.resyncs = self.unsynced_admits = 0
+        self.lazy = lazy
         self.reset()
         return time.perf_counter() - t0
 
