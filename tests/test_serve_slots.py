@@ -264,8 +264,8 @@ class _Verdict(AdaptiveK):
 
 def test_lazy_drafter_under_load(models, monkeypatch):
     """Where drafting does not pay, requests are admitted without the drafter prefill and full context queues
-    are dropped rather than flushed: no drafter work at all. Once it pays, each unsynced row with a queue's
-    worth of tokens left is re-seeded (one per step): its drafter cache then holds what a drafter kept
+    are dropped rather than flushed: no drafter work at all. Once it pays, each unsynced row with enough
+    tokens left (resync_min_left) is re-seeded (one per step): its drafter cache then holds what a drafter kept
     current all along holds, its drafts are accepted again, and outputs stay those of plain decoding."""
     params, dparams = models
     plain = Generator(CFG, params, max_seq_len=96)
@@ -279,9 +279,9 @@ def test_lazy_drafter_under_load(models, monkeypatch):
             return real(*a, **kw)
 
         monkeypatch.setattr(SP, name, counted)
-    # (prompt, max_new_tokens, temperature, seed): the last ends with fewer than Q tokens left when drafting
-    # pays again, so it is never re-seeded.
-    requests = [([1, 2, 3, 4, 0], 60, 0.0, 0), ([1, 3, 2], 64, 0.8, 4), ([4, 4, 1, 0], 30, 0.0, 0)]
+    # (prompt, max_new_tokens, temperature, seed): the last has fewer than resync_min_left (64) tokens left
+    # when drafting pays again, so it is never re-seeded.
+    requests = [([1, 2, 3, 4, 0], 90, 0.0, 0), ([1, 3, 2], 92, 0.8, 4), ([4, 4, 1, 0], 60, 0.0, 0)]
     runs = {}
     for lazy in (True, False):
         engine = SlotEngine(spec, 3, adaptive=True)
