@@ -60,6 +60,11 @@ def test_bench_serve_with_a_tree_in_bfloat16(tmp_path, capsys):
     assert bench_serve.main([*argv, "--repeats", "2"]) == 0
     result = json.loads(out.read_text())
     tree = "speculative tree 0,1,00"
+    # The modes take turns in an order that rotates with each repeat.
+    captured = capsys.readouterr()
+    progress = [line.split(" c=")[0] for line in captured.err.splitlines() if " c=1 [" in line]
+    auto = f"{tree}, --load-k auto (default)"
+    assert progress == ["plain", tree, auto, tree, auto, "plain"]
     assert list(result["modes"]) == ["plain", tree, f"{tree}, --load-k auto (default)"]
     assert result["config"]["dtype"] == "bfloat16"
     assert all(set(r["steps_by_k"]) == {"2"} for r in result["modes"][tree]["levels"])  # K': the tree's depth
@@ -69,7 +74,7 @@ def test_bench_serve_with_a_tree_in_bfloat16(tmp_path, capsys):
         assert level["throughput_tok_s"] == pytest.approx(level["tokens"] / level["wall_s"])
     mine, plain = (result["modes"][m]["levels"][0]["throughput_per_repeat"] for m in (tree, "plain"))
     ratios = [r / p for r, p in zip(mine, plain, strict=True)]
-    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {tree} | 1 |"))
+    row = next(line for line in captured.out.splitlines() if line.startswith(f"| {tree} | 1 |"))
     assert f"({min(ratios):.2f}-{max(ratios):.2f}) |" in row
 
 

@@ -286,8 +286,8 @@ def _levels(text: str) -> list[int]:
 
 def run_modes(modes: dict[str, list[str]], levels: list[int], model: str, args) -> dict:
     """Start one server per mode (all alive at once), then at each concurrency level measure the modes one
-    after the other, ``args.repeats`` times over, so that a drift in the machine's speed hits every mode
-    alike."""
+    after the other, ``args.repeats`` times over in a rotating order, so that a drift in the machine's speed
+    hits every mode alike."""
     out = {"config": vars(args), "modes": {name: {"levels": []} for name in modes}}
     logdir = Path(tempfile.mkdtemp(prefix="peagle-bench-serve-"))
     servers = {}
@@ -301,7 +301,11 @@ def run_modes(modes: dict[str, list[str]], levels: list[int], model: str, args) 
             runs: dict[str, list[dict]] = {name: [] for name in servers}
             before = {name: scrape(base) for name, (_, base) in servers.items()}
             for rep in range(args.repeats):
-                for name, (_, base) in servers.items():
+                # The order rotates with each repeat, so that no mode always runs right after the same one
+                # (e.g. the plain server after the tree's compute-bound run, on a machine whose speed drifts).
+                order = list(servers.items())
+                order = order[rep % len(order) :] + order[: rep % len(order)]
+                for name, (_, base) in order:
                     runs[name].append(run_level(base, model, c, args.rounds, args.max_tokens))
                     tok_s = _throughput(runs[name][-1])
                     print(f"{name} c={c} [{rep + 1}/{args.repeats}]: {tok_s:.1f} tok/s", file=sys.stderr, flush=True)

@@ -7,6 +7,12 @@ graph (plus the drafter prefill), and its row is copied into a free slot by one 
 with the same graphs the batch generators use: :func:`peagle_jax.engine.decode_step` for plain decoding,
 :meth:`peagle_jax.speculative.SpeculativeGenerator.run_step` (draft -> verify) or a plain step with a drafter.
 
+With the adaptive policy the drafter's own work is lazy: where drafting does not pay at the current load, a
+request is admitted without the drafter prefill and a row's queued draft context is dropped when full rather
+than written into the drafter cache (:meth:`peagle_jax.speculative.SpecState.desync`); when drafting pays
+again, rows are re-seeded one per step (:meth:`SlotEngine._resync`). Drafts never change outputs, so a row
+with a stale drafter context costs only acceptance, which the policy accounts for.
+
 Plain steps (every step without a drafter; the steps where the adaptive policy or a load threshold does not
 draft) overlap the host the way :meth:`peagle_jax.engine.Generator.stream` does: a step launches the next
 plain step on the unread device-side tokens of the last before it reads them, so the host's bookkeeping
@@ -517,7 +523,9 @@ class SlotEngine:
         total += len(calibration) * repeats
         budget = MapBudget(total, f"{self.B} slots x {gen.max_seq_len} tokens ({self.describe()})")
         done = 0
-        lazy, self.lazy = self.lazy, False  # every row keeps its drafter current: the flushes compile too
+        # Every row keeps its drafter current meanwhile, so that the flushes compile too (a warm-up that
+        # fails leaves the engine unserved: the worker reports it and takes no request).
+        lazy, self.lazy = self.lazy, False
 
         def advance():
             nonlocal done
