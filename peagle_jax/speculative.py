@@ -241,7 +241,8 @@ class SpecState:
     def desync(self, rows, keep: int) -> None:
         """Stop keeping the drafter current for ``rows`` (indices): their queued context is dropped but for
         ``keep`` >= 1 elements (a draft reads at least one), with no drafter work; their later drafts run on
-        a stale context until the slot engine re-seeds the drafter (:meth:`SlotEngine.admit`'s prefill)."""
+        a stale context until the slot engine re-seeds the drafter
+        (:meth:`peagle_jax.serve.slots.SlotEngine._resync`, a prefill of the row's tokens)."""
         self.synced[rows] = False
         self.ctx_count[rows] = np.minimum(self.ctx_count[rows], keep)
         self.ctx_start[rows] = self.q[rows] - self.ctx_count[rows]

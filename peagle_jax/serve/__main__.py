@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--load-k",
         help="how many tokens a step drafts: 'auto' (default) picks, per step, a plain step, a chain of 1 or "
-        "--k / --tree, whichever it measured to give the most tokens per second at the current load; 'none' "
+        "--k / --tree, whichever it measured to give the most tokens per second at the current load (where "
+        "drafting does not pay, the drafter's own work is skipped too); 'none' "
         "always drafts --k / --tree; or N:K pairs, e.g. '4:2,12:0' = with at least 4 active requests draft "
         "and verify a chain of 2, with 12 decode plainly (K 0)",
     )
