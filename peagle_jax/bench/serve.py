@@ -312,7 +312,8 @@ def run_modes(modes: dict[str, list[str]], levels: list[int], model: str, args) 
             for name, (_, base) in servers.items():
                 row = summarize(c, runs[name])
                 after, was = scrape(base), before[name]
-                row["steps_by_k"] = {k: n - steps_by_k(was).get(k, 0) for k, n in sorted(steps_by_k(after).items())}
+                steps_before = steps_by_k(was)
+                row["steps_by_k"] = {k: n - steps_before.get(k, 0) for k, n in sorted(steps_by_k(after).items())}
                 for key, metric in LAZY_DRAFTER.items():
                     if metric in after:
                         row[key] = after[metric] - was[metric]

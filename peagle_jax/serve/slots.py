@@ -82,8 +82,11 @@ class SlotEvent:
 class _Slot:
     request: SlotRequest
     stops: frozenset[int]
-    produced: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)  # generated so far (to re-seed the drafter)
+
+    @property
+    def produced(self) -> int:
+        return len(self.tokens)
 
 
 @jax.jit
@@ -247,7 +250,6 @@ class SlotEngine:
         for tok in tokens:
             out.append(int(tok))
             slot.tokens.append(int(tok))
-            slot.produced += 1
             if int(tok) in slot.stops:
                 finish = "stop"
             elif slot.produced >= slot.request.max_new_tokens:
