@@ -225,7 +225,8 @@ class SpecState:
         C = tokens_RC.shape[1]
         self.ctx_tokens[:R, :C] = np.where(live_R[:, None], tokens_RC, self.ctx_tokens[:R, :C])
         self.ctx_count[:R] = np.where(live_R, count_R, self.ctx_count[:R])
-        self.ctx_aux = write_context(self.ctx_aux, aux_RWX, jnp.zeros(R, jnp.int32), jnp.asarray(live_R))
+        # Host arguments: an eager jnp.zeros would be a device op of its own (~0.4 ms on the CPU, every step).
+        self.ctx_aux = write_context(self.ctx_aux, aux_RWX, np.zeros(R, np.int32), live_R)
 
     def advance_plain(self, live_R) -> np.ndarray:
         """A plain step (:func:`plain_step`, which writes the root's aux state at slot ``ctx_count``) was
