@@ -175,3 +175,24 @@ def test_dataset_answers_and_warm_start(tmp_path):
     assert "is a peagle drafter but optim.objective is eagle3" in proc.stderr
     proc = _run("train/train.py", "--output", str(tmp_path / "bad"), *common, f"drafter.init={tmp_path / 'nothing'}")
     assert proc.returncode == 2 and proc.stderr.strip().endswith("nothing: no such directory")
+
+
+def test_card_names_the_prompts_used():
+    from peagle_jax.train.card import _data_lines
+
+    info = {
+        "recipe": {
+            "data": {"prompts": "sharegpt", "max_prompts": 0, "max_prompt_tokens": 384, "max_new_tokens": 384,
+                     "responses": "dataset"},
+            "batch": {"features": "online", "feature_dtype": "float32", "seq_len": 512},
+            "drafter": {"init": "some/drafter"},
+            "run": {"eval_fraction": 0.01},
+        },
+        "vocab": {"draft_vocab_size": 8192, "rows": 10, "fill": 0.9, "loss_tokens": 4000, "coverage": 0.87,
+                  "mask_token_id": 5},
+        "responses": 7,
+        "response_tokens": 4100,
+    }  # fmt: skip
+    assert _data_lines(info)[0] == "- prompts: sharegpt (all salvaged prompts; longer than 384 tokens skipped)"
+    info["recipe"]["data"]["max_prompts"] = 6000
+    assert _data_lines(info)[0] == "- prompts: sharegpt (first 6000 salvaged prompts; longer than 384 tokens skipped)"

@@ -67,6 +67,7 @@ def collect(run: Path) -> dict:
 def _data_lines(info: dict) -> list[str]:
     r, v = info["recipe"], info["vocab"]
     dc, b, init = r["data"], r["batch"], r["drafter"].get("init")
+    n = dc["max_prompts"]  # 0: all of them
     features = (
         f"target features cached in {b['feature_dtype']}: {_hours(info['features_s'])}"
         if b["features"] == "cached"
@@ -87,7 +88,7 @@ def _data_lines(info: dict) -> list[str]:
         else f"the {v['draft_vocab_size']} ids of the initial drafter"
     )
     return [
-        f"- prompts: {dc['prompts']} (first {dc['max_prompts']} salvaged prompts; longer than "
+        f"- prompts: {dc['prompts']} ({f'first {n}' if n else 'all'} salvaged prompts; longer than "
         f"{dc['max_prompt_tokens']} tokens skipped)",
         responses,
         f"- packed into {v['rows']} rows of {b['seq_len']} tokens ({v['fill']:.0%} filled), "
