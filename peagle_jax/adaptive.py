@@ -42,6 +42,10 @@ import numpy as np
 
 from peagle_jax.verify import Tree, chain
 
+# Steps a warm-up times per step length and row bucket, the step lengths taking turns: the first is dropped
+# (a cold cache), the median of the rest is the step time (:meth:`AdaptiveK.calibrate`).
+CALIBRATION_STEPS = 6
+
 
 def step_trees(tree: Tree) -> dict[int, Tree]:
     """The candidates of a generator drafting ``tree``: K' -> its tree, a plain step (0), a chain of 1 and
@@ -168,6 +172,18 @@ class AdaptiveK:
             self.backoff = min(self.backoff + 1, 16)
             return self.K
         return best
+
+    def calibrate(self, rows: int, k: int, seconds: Sequence[float]) -> None:
+        """Set the step time of ``k`` at ``rows`` to the median of ``seconds``, steps timed by a warm-up
+        (after a dropped first one; best interleaved with the other candidates', so that the machine's noise
+        hits all alike). One sample off by a burst of noise would otherwise steer the choice until an
+        exploration or a re-timing corrects it."""
+        if not len(seconds):
+            raise ValueError("calibrate needs at least one timed step")
+        key = (rows, k)
+        self.step_s[key] = float(np.median(seconds))
+        self.seen[key] = max(self.seen.get(key, 0), self.min_samples + 1)
+        self.last_timed[key] = self.steps
 
     def record(self, rows: int, k: int, seconds: float | None, counts: Sequence[int] = ()) -> None:
         """A step of ``rows`` rows drafting ``k`` took ``seconds`` (None: not timed); ``counts``: tokens each

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from peagle_jax.adaptive import AdaptiveK, adaptive_policy, step_trees
+from peagle_jax.adaptive import CALIBRATION_STEPS, AdaptiveK, adaptive_policy, step_trees
 from peagle_jax.config import ModelConfig
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.draft import drafter_prefill, fused_mask_hidden, parallel_draft, sequential_draft
@@ -647,7 +647,7 @@ class SpeculativeGenerator(Generator):
 
     def _calibrated(self, batch: int) -> AdaptiveK:
         """A fresh adaptive policy that knows what each step length costs at this batch: each is timed over
-        a few compiled greedy steps on scratch caches (the policy drops each first sample), so the first
+        a few compiled greedy steps on scratch caches (:meth:`AdaptiveK.calibrate`), so the first
         request does not pay for measuring the slower ones. Step times are refined by every step served; the
         acceptance is learnt from real text only."""
         from peagle_jax.engine import bucket
@@ -659,14 +659,17 @@ class SpeculativeGenerator(Generator):
         X = len(self.cfg.aux_layer_ids) * self.cfg.hidden_size
         q = np.full(B, max(self.window_buckets[0] - self.tree.size - 1, 1), np.int32)  # the smallest window
         sampling, seeds, live = SamplingParams.make(B, 0.0), jnp.zeros(B, jnp.uint32), np.ones(B, bool)
-        for k in policy.candidates:
-            for _ in range(policy.min_samples + 1):
+        times = {k: [] for k in policy.candidates}
+        for _ in range(CALIBRATION_STEPS):  # the step lengths take turns
+            for k, ts in times.items():
                 state = SpecState.start(np.zeros(B, np.int32), jnp.zeros((B, X), self.cfg.jnp_dtype), q, self.Q)
                 t0 = time.perf_counter()
                 _, _, _, cache, dcache = self.run_step(
                     cache, dcache, state, seeds, sampling, greedy_only=True, live=live, tree=self.choices[k]
                 )
-                policy.record(B, k, time.perf_counter() - t0)
+                ts.append(time.perf_counter() - t0)
+        for k, ts in times.items():
+            policy.calibrate(B, k, ts[1:])  # the first step of each may have run on a cold cache
         return policy
 
     def _scratch_caches(self, B: int):

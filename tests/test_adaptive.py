@@ -306,3 +306,21 @@ def test_only_synced_rows_count_towards_drafting():
     for _ in range(20):
         policy.record(4, 3, 4.0)
     assert not policy.pays(4)  # 2.95 / 4 < 1.05 / 1
+
+
+def test_calibration_takes_the_median_of_the_warm_up_steps():
+    """A warm-up burst that slowed one of the tree's timed steps 3x does not make drafting look dearer: the
+    calibrated time is the median of its steps (a single sample, as the first record after the dropped one,
+    would have kept most of the burst), and later steps are smoothed into it as usual."""
+    policy = AdaptiveK([0, 3], explore_every=10**6, decay=1.0)
+    policy.calibrate(1, 0, [1.0, 1.02, 0.98, 1.01, 0.99])
+    policy.calibrate(1, 3, [3.6, 1.2, 1.21, 1.19, 1.2])
+    assert policy._timed(1, 3) and policy.step_time(1, 3) == pytest.approx(1.2)
+    assert policy.step_time(1, 0) == pytest.approx(1.0)
+    policy.record(1, 3, 2.2)  # a served step: smoothed in (weight 0.2), not replacing the median
+    assert policy.step_time(1, 3) == pytest.approx(1.4)
+    for _ in range(200):
+        policy.record(1, 3, None, [2, 2, 1, 2])  # 3 of 4 rows accept the first draft
+    assert policy.choose(1) == 3  # 1.75+ tokens per 1.4 s beats 1 per 1.0 s (with the margin)
+    with pytest.raises(ValueError, match="at least one"):
+        policy.calibrate(1, 0, [])

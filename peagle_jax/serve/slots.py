@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from peagle_jax import model
-from peagle_jax.adaptive import adaptive_policy
+from peagle_jax.adaptive import CALIBRATION_STEPS, adaptive_policy
 from peagle_jax.drafter.model import new_drafter_cache
 from peagle_jax.engine import Generator, RequestError, decode_step, sample_jit
 from peagle_jax.platform import MapBudget
@@ -519,11 +519,10 @@ class SlotEngine:
         # Each prefill bucket once (greedy); the first-token sampler's sampling variant once (it does not
         # depend on the prompt length).
         admits = [(L, 0.0) for L in lengths] + [(lengths[0], 1.0)]
-        total = len(admits) + 2 * len(windows) * len(trees) * len(self.row_buckets)
-        calibration = [(rows, k) for rows in self.row_buckets for k in sorted(gen.choices)] if self.policy else []
-        repeats = self.policy.min_samples + 1 if self.policy else 0  # the policy drops each first sample
-        total += len(calibration) * repeats
-        budget = MapBudget(total, f"{self.B} slots x {gen.max_seq_len} tokens ({self.describe()})")
+        graphs = len(admits) + 2 * len(windows) * len(trees) * len(self.row_buckets)
+        calibration = len(self.row_buckets) * len(gen.choices) * CALIBRATION_STEPS if self.policy else 0
+        total = graphs + calibration  # the calibration's timed steps compile nothing: not in the budget
+        budget = MapBudget(graphs, f"{self.B} slots x {gen.max_seq_len} tokens ({self.describe()})")
         done = 0
         # Every row keeps its drafter current meanwhile, so that the flushes compile too (a warm-up that
         # fails leaves the engine unserved: the worker reports it and takes no request).
@@ -532,7 +531,8 @@ class SlotEngine:
         def advance():
             nonlocal done
             done += 1
-            budget.check(done)
+            if done <= graphs:
+                budget.check(done)
             if progress:
                 progress(done, total)
 
@@ -551,10 +551,14 @@ class SlotEngine:
             merge_roots(*(jnp.zeros(rows, dt) for dt in (bool, np.int32, np.int32)))
         if self.policy is not None:  # the steps above compiled: their times and acceptance mean nothing
             self.policy = adaptive_policy(gen.tree)
-            for rows, k in calibration:
-                for _ in range(repeats):
-                    self.policy.record(rows, k, self._time_step(gen.choices[k], slot=rows - 1))
-                    advance()
+            for rows in self.row_buckets:  # the step lengths take turns; each one's first step is dropped
+                times = {k: [] for k in sorted(gen.choices)}
+                for _ in range(CALIBRATION_STEPS):
+                    for k, ts in times.items():
+                        ts.append(self._time_step(gen.choices[k], slot=rows - 1))
+                        advance()
+                for k, ts in times.items():
+                    self.policy.calibrate(rows, k, ts[1:])
         if self.speculative:
             gen.spec.reset()  # in place: the server's /metrics reads this object
         self.steps_by_k.clear()
