@@ -36,7 +36,7 @@ depend on the choice: every K' commits exactly the tokens of plain decoding (gre
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -184,6 +184,19 @@ class AdaptiveK:
         self.step_s[key] = float(np.median(seconds))
         self.seen[key] = max(self.seen.get(key, 0), self.min_samples + 1)
         self.last_timed[key] = self.steps
+
+    def calibrate_all(self, rows: int, time_step: Callable[[int], float], each: Callable[[], None] | None = None):
+        """Calibrate every candidate at ``rows``: ``CALIBRATION_STEPS`` steps each, timed by ``time_step(k)``
+        (seconds), the candidates taking turns; each one's first step is dropped (a cold cache) and the
+        median of the rest is its time (:meth:`calibrate`). ``each()`` is called after every step."""
+        times = {k: [] for k in self.candidates}
+        for _ in range(CALIBRATION_STEPS):
+            for k, ts in times.items():
+                ts.append(time_step(k))
+                if each is not None:
+                    each()
+        for k, ts in times.items():
+            self.calibrate(rows, k, ts[1:])
 
     def record(self, rows: int, k: int, seconds: float | None, counts: Sequence[int] = ()) -> None:
         """A step of ``rows`` rows drafting ``k`` took ``seconds`` (None: not timed); ``counts``: tokens each

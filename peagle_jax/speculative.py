@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from peagle_jax.adaptive import CALIBRATION_STEPS, AdaptiveK, adaptive_policy, step_trees
+from peagle_jax.adaptive import AdaptiveK, adaptive_policy, step_trees
 from peagle_jax.config import ModelConfig
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.draft import drafter_prefill, fused_mask_hidden, parallel_draft, sequential_draft
@@ -659,17 +659,17 @@ class SpeculativeGenerator(Generator):
         X = len(self.cfg.aux_layer_ids) * self.cfg.hidden_size
         q = np.full(B, max(self.window_buckets[0] - self.tree.size - 1, 1), np.int32)  # the smallest window
         sampling, seeds, live = SamplingParams.make(B, 0.0), jnp.zeros(B, jnp.uint32), np.ones(B, bool)
-        times = {k: [] for k in policy.candidates}
-        for _ in range(CALIBRATION_STEPS):  # the step lengths take turns
-            for k, ts in times.items():
-                state = SpecState.start(np.zeros(B, np.int32), jnp.zeros((B, X), self.cfg.jnp_dtype), q, self.Q)
-                t0 = time.perf_counter()
-                _, _, _, cache, dcache = self.run_step(
-                    cache, dcache, state, seeds, sampling, greedy_only=True, live=live, tree=self.choices[k]
-                )
-                ts.append(time.perf_counter() - t0)
-        for k, ts in times.items():
-            policy.calibrate(B, k, ts[1:])  # the first step of each may have run on a cold cache
+
+        def time_step(k: int) -> float:
+            nonlocal cache, dcache
+            state = SpecState.start(np.zeros(B, np.int32), jnp.zeros((B, X), self.cfg.jnp_dtype), q, self.Q)
+            t0 = time.perf_counter()
+            _, _, _, cache, dcache = self.run_step(
+                cache, dcache, state, seeds, sampling, greedy_only=True, live=live, tree=self.choices[k]
+            )
+            return time.perf_counter() - t0
+
+        policy.calibrate_all(B, time_step)
         return policy
 
     def _scratch_caches(self, B: int):

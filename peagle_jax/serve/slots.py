@@ -551,14 +551,8 @@ class SlotEngine:
             merge_roots(*(jnp.zeros(rows, dt) for dt in (bool, np.int32, np.int32)))
         if self.policy is not None:  # the steps above compiled: their times and acceptance mean nothing
             self.policy = adaptive_policy(gen.tree)
-            for rows in self.row_buckets:  # the step lengths take turns; each one's first step is dropped
-                times = {k: [] for k in sorted(gen.choices)}
-                for _ in range(CALIBRATION_STEPS):
-                    for k, ts in times.items():
-                        ts.append(self._time_step(gen.choices[k], slot=rows - 1))
-                        advance()
-                for k, ts in times.items():
-                    self.policy.calibrate(rows, k, ts[1:])
+            for rows in self.row_buckets:
+                self.policy.calibrate_all(rows, lambda k, r=rows: self._time_step(gen.choices[k], slot=r - 1), advance)
         if self.speculative:
             gen.spec.reset()  # in place: the server's /metrics reads this object
         self.steps_by_k.clear()
