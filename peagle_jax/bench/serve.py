@@ -296,8 +296,11 @@ def run_modes(modes: dict[str, list[str]], levels: list[int], model: str, args) 
             proc, port, ready_s = start_server(flags, logdir / f"mode{i}.log")
             servers[name] = (proc, f"http://127.0.0.1:{port}")
             out["modes"][name]["ready_s"] = ready_s
-            run_level(servers[name][1], model, 1, 1, 4)  # one short request first: client and server are warm
         for c in levels:
+            for _, base in servers.values():
+                # One short request to every server before each level: a server that idled while the others
+                # compiled or ran (minutes) serves a request before the timed ones.
+                run_level(base, model, 1, 1, 4)
             runs: dict[str, list[dict]] = {name: [] for name in servers}
             before = {name: scrape(base) for name, (_, base) in servers.items()}
             for rep in range(args.repeats):
