@@ -10,6 +10,23 @@ import pytest
 from serve_fixtures import write_tiny_drafter, write_tiny_model
 
 from peagle_jax.bench import serve as bench_serve
+from peagle_jax.speculative import SpecStats
+
+
+def test_policy_step_times_round_trip_through_metrics():
+    from peagle_jax.serve.metrics import Metrics
+
+    def scraped(m):  # what bench_serve.scrape reads from /metrics
+        return {n: float(v) for n, v in (ln.rsplit(" ", 1) for ln in m.render().splitlines() if ln[0] != "#")}
+
+    m = Metrics()
+    m.spec_stats = SpecStats(accepted_per_position=[0, 0])
+    m.policy_step_s = lambda: {(4, 2): 0.0205, (1, 0): 0.0142, (1, 2): 0.0181, (4, 0): 0.0165}
+    assert scraped(m)['peagle_policy_step_seconds{rows="1",k="2"}'] == pytest.approx(0.0181)
+    assert bench_serve.policy_step_ms(scraped(m)) == {"1x0": 14.2, "1x2": 18.1, "4x0": 16.5, "4x2": 20.5}
+    assert list(bench_serve.policy_step_ms(scraped(m))) == ["1x0", "1x2", "4x0", "4x2"]  # rows, then K'
+    m.policy_step_s = None  # a server without --load-k auto: no such samples
+    assert "peagle_acceptance_length" in scraped(m) and bench_serve.policy_step_ms(scraped(m)) == {}
 
 
 @pytest.mark.slow
@@ -46,6 +63,17 @@ def test_bench_serve_runs_every_mode_and_reports_steps_by_k(tmp_path, capsys):
             assert steps[0] == {2: steps[0][2]} and steps[1].get(0, 0) > 0  # plain steps with >= 2 busy
         else:
             assert sum(steps[0].values()) > 0 and set(steps[0]) <= {0, 1, 2}
+        # The policy's step times, from /metrics: the warm-up's calibration of every row bucket and K', then
+        # after each level; only the --load-k auto servers have one.
+        calibrated = result["modes"][name].get("calibrated_step_ms")
+        after = [r.get("policy_step_ms") for r in levels]
+        if "auto" in name:
+            keys = {tuple(int(x) for x in key.split("x")) for key in calibrated}
+            assert {k for _, k in keys} == {0, 1, 2} and {r for r, _ in keys} >= {1, 2}
+            assert all(t > 0 for t in calibrated.values())
+            assert all(set(a) == set(calibrated) and all(t > 0 for t in a.values()) for a in after)
+        else:
+            assert calibrated is None and after == [None, None]
     assert "| speculative K=2, --load-k auto (default) | 2 |" in table and "steps by K'" in table
 
 

@@ -90,6 +90,7 @@ def test_ping_and_acceptance_metrics(server):
     assert m['peagle_speculative_steps_total{k="1"}'] > 0 and m[f'peagle_speculative_steps_total{{k="{K}"}}'] > 0
     # Fixed load thresholds keep every drafter current (only --load-k auto leaves it behind under load).
     assert m["peagle_unsynced_admissions_total"] == m["peagle_drafter_resyncs_total"] == 0
+    assert not any(name.startswith("peagle_policy_step_seconds") for name in m)  # no --load-k auto policy
 
 
 def test_sagemaker_defaults(tmp_path, monkeypatch):

@@ -182,6 +182,17 @@ def steps_by_k(metrics: dict[str, float]) -> dict[int, float]:
     return {int(name[len(prefix) : -2]): v for name, v in metrics.items() if name.startswith(prefix)}
 
 
+def policy_step_ms(metrics: dict[str, float]) -> dict[str, float]:
+    """The ``--load-k auto`` policy's step times, ``"{rows}x{K'}"`` -> ms (empty for a server without it)."""
+    prefix = "peagle_policy_step_seconds{"
+    out = {}
+    for name, v in metrics.items():
+        if name.startswith(prefix):
+            labels = dict(item.split("=", 1) for item in name[len(prefix) : -1].split(","))
+            out[f"{labels['rows'].strip(chr(34))}x{labels['k'].strip(chr(34))}"] = round(v * 1e3, 3)
+    return dict(sorted(out.items(), key=lambda kv: tuple(int(x) for x in kv[0].split("x"))))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.serve", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
@@ -296,6 +307,10 @@ def run_modes(modes: dict[str, list[str]], levels: list[int], model: str, args) 
             proc, port, ready_s = start_server(flags, logdir / f"mode{i}.log")
             servers[name] = (proc, f"http://127.0.0.1:{port}")
             out["modes"][name]["ready_s"] = ready_s
+        for name, (_, base) in servers.items():
+            # What the adaptive policy's warm-up calibrated (empty for the other modes): why it drafts or not.
+            if calibrated := policy_step_ms(scrape(base)):
+                out["modes"][name]["calibrated_step_ms"] = calibrated
         for c in levels:
             for _, base in servers.values():
                 # One short request to every server before each level: a server that idled while the others
@@ -320,6 +335,8 @@ def run_modes(modes: dict[str, list[str]], levels: list[int], model: str, args) 
                 for key, metric in LAZY_DRAFTER.items():
                     if metric in after:
                         row[key] = after[metric] - was[metric]
+                if policy := policy_step_ms(after):
+                    row["policy_step_ms"] = policy  # the policy's step times after the level
                 out["modes"][name]["levels"].append(row)
         for name, (_, base) in servers.items():
             out["modes"][name]["acceptance_length"] = scrape(base).get("peagle_acceptance_length")

@@ -205,6 +205,8 @@ def serve(args, engine, tokenizer, stops, name) -> int:
     metrics.steps_by_k = engine.steps_by_k if engine.speculative else None
     if engine.speculative:
         metrics.lazy_drafter = lambda: (engine.unsynced_admits, engine.resyncs)
+    if engine.policy is not None:
+        metrics.policy_step_s = lambda: dict(engine.policy.step_s)  # a copy: the engine thread updates it
     worker = EngineWorker(engine, max_queue=args.max_queue, metrics=metrics)
     metrics.queue_depth = lambda: worker.queue_depth
     metrics.active_slots = lambda: engine.active

@@ -31,6 +31,8 @@ class Metrics:
         self.spec_stats = None  # a SpecStats, when serving with a drafter
         self.steps_by_k: dict[int, int] | None = None  # speculative steps at each K (the engine's dict)
         self.lazy_drafter: Callable[[], tuple[int, int]] | None = None  # (unsynced admissions, re-seeds)
+        # The --load-k auto policy's step times: () -> {(busy-row bucket, K'): seconds}.
+        self.policy_step_s: Callable[[], dict[tuple[int, int], float]] | None = None
 
     def request(self, endpoint: str, outcome: str) -> None:
         with self._lock:
@@ -132,6 +134,17 @@ class Metrics:
                     "counter",
                     "Requests whose drafter context was re-seeded (a prefill) once drafting paid again.",
                     [("", {}, resyncs)],
+                )
+            if self.policy_step_s is not None:
+                family(
+                    "policy_step_seconds",
+                    "gauge",
+                    "The --load-k auto policy's step time per busy-row bucket and draft length K' (0: plain), "
+                    "calibrated by the warm-up, then measured while serving: what it chooses K' by.",
+                    [
+                        ("", {"rows": str(r), "k": str(k)}, f"{t:.6f}")
+                        for (r, k), t in sorted(self.policy_step_s().items())
+                    ],
                 )
             family(
                 "acceptance_rate",
