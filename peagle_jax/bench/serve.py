@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -184,13 +185,12 @@ def steps_by_k(metrics: dict[str, float]) -> dict[int, float]:
 
 def policy_step_ms(metrics: dict[str, float]) -> dict[str, float]:
     """The ``--load-k auto`` policy's step times, ``"{rows}x{K'}"`` -> ms (empty for a server without it)."""
-    prefix = "peagle_policy_step_seconds{"
-    out = {}
+    sample = re.compile(r'peagle_policy_step_seconds\{rows="(\d+)",k="(\d+)"\}')
+    times = {}
     for name, v in metrics.items():
-        if name.startswith(prefix):
-            labels = dict(item.split("=", 1) for item in name[len(prefix) : -1].split(","))
-            out[f"{labels['rows'].strip(chr(34))}x{labels['k'].strip(chr(34))}"] = round(v * 1e3, 3)
-    return dict(sorted(out.items(), key=lambda kv: tuple(int(x) for x in kv[0].split("x"))))
+        if m := sample.fullmatch(name):
+            times[int(m[1]), int(m[2])] = round(v * 1e3, 3)
+    return {f"{rows}x{k}": ms for (rows, k), ms in sorted(times.items())}
 
 
 def main(argv=None) -> int:
