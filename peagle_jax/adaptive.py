@@ -27,7 +27,10 @@ same row bucket, or the longest K' wins.
 While a drafting K' wins, the plain step is run again every ``retime_every`` steps at that row bucket, so
 that its time stays current too (the new time replaces the stale average; otherwise it would come only
 from the warm-up, and a machine that got faster or slower since, or a window that grew, would keep the
-policy drafting at a loss for the server's whole life). And a drafting K' must beat the plain step by
+policy drafting at a loss for the server's whole life). Likewise an exploration of the longest K' that
+comes ``retime_every`` steps or more after it last ran there replaces its time: a warm-up that timed it
+too slow would otherwise take many backed-off explorations, each moving the average by a fifth, to be
+corrected, and the policy would keep a shorter K' meanwhile. And a drafting K' must beat the plain step by
 ``margin`` (5%): a plain step run between drafted ones does not overlap the host like a run of plain steps
 does, and closer calls are within the step times' noise, so they go to the plain step. Outputs never
 depend on the choice: every K' commits exactly the tokens of plain decoding (greedy and sampled alike, see
@@ -205,8 +208,9 @@ class AdaptiveK:
         n = self.seen.get(key, 0)
         if seconds is not None:
             self.seen[key] = n + 1
-            # A re-timed plain step (:meth:`choose`) replaces the stale average rather than nudging it.
-            stale = k == self.candidates[0] and self._stale(rows, k)
+            # A step not timed here for ``retime_every`` steps (a re-timed plain step, an exploration of the
+            # longest K') replaces the stale average rather than nudging it.
+            stale = self._stale(rows, k)
             self.last_timed[key] = self.steps
             if n == 1 or (n > 1 and stale):
                 self.step_s[key] = seconds

@@ -236,6 +236,35 @@ def test_a_stale_plain_time_is_re_timed_while_drafting():
     assert tail.count(0) >= 0.97 * len(tail)  # plain from then on, but for the explorations of K = 3
 
 
+def test_a_tree_timed_too_slow_in_the_warm_up_is_corrected_by_an_exploration():
+    """The warm-up timed the tree at 2 s (a burst of noise), so a chain of 1 looked best; the tree really
+    takes 1.25 s and is the fastest (1.67 tokens per step against 1.35 for the chain of 1 at 1.2 s). The
+    first exploration, within 64 steps of the warm-up, is smoothed in (2 s -> 1.85 s); the next, 64+ steps
+    after the tree last ran, replaces its time as is, and the policy drafts the tree from then on. Smoothed
+    in at a fifth per exploration (1.73 s after two), the tree would have kept losing, with the
+    explorations backing off, for hundreds of steps more."""
+    policy = AdaptiveK([0, 1, 3], shared=False, decay=1.0)
+    for k, s in ((0, [1.0] * 5), (1, [1.2] * 5), (3, [2.0] * 5)):
+        policy.calibrate(1, k, s)
+    for k, p in ((1, [0.35]), (3, [0.55, 0.2, 0.1])):  # acceptance known (counts that do not move)
+        tries, accepts = policy._counts[policy._group(k)]
+        tries[: len(p)], accepts[: len(p)] = 1e6, 1e6 * np.asarray(p)
+    assert policy.expected_tokens(3) == pytest.approx(1.671, rel=1e-3)
+    step_s, chosen, times = {0: 1.0, 1: 1.2, 3: 1.25}, [], []
+    for _ in range(300):
+        k = policy.choose(1)
+        policy.record(1, k, step_s[k])
+        chosen.append(k)
+        times.append(policy.step_time(1, 3))
+    explored = [i for i, k in enumerate(chosen) if k == 3]
+    first, second = explored[:2]
+    assert first < 64 and times[first] == pytest.approx(1.85)  # smoothed in
+    assert second - first >= 64 and times[second] == pytest.approx(1.25)  # replaced
+    assert chosen[:first].count(1) == first  # the chain of 1 before
+    after = chosen[second:]  # the tree, but for the plain step's re-timing every 64 steps
+    assert all(k in (0, 3) for k in after) and after.count(0) <= len(after) // 64 + 1
+
+
 def test_drafting_must_win_by_the_margin():
     """Drafting expected 3% faster than plain steps: within the margin (5%), so plain steps are chosen; 10%
     faster: it drafts."""
