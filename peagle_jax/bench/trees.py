@@ -1,0 +1,325 @@
+"""``python -m peagle_jax.bench.trees``: the static draft tree a drafter is accepted most with, per node budget.
+
+Greedy speculative decoding emits exactly plain decoding's tokens, so along the target's greedy answer the
+draft at every root depends on the committed prefix only. One target forward and one drafter forward per
+answer (the P-EAGLE training layout, every anchor and depth at once, whose elements draft what
+:func:`peagle_jax.drafter.draft.parallel_draft` drafts, tested) give the rank of the answer's next tokens
+among the drafter's top-W candidates at every root and depth. From these ranks the acceptance of any tree
+follows without decoding: from the first root, a step accepts the deepest tree path whose ranks match the
+answer, emits that many tokens plus the bonus token, and the next root is the last of them (counted as
+:class:`peagle_jax.speculative.SpecStats` counts a greedy run, stop tokens included; tested equal).
+
+The search grows a tree one node at a time (a child of a tree node or of the root, rank < W, depth <= K),
+adding the node that raises the tokens per step most on the search half of the questions, and reports each
+budget's tree with its tokens per step on both halves (the held-out half is the honest number), beside the
+``--trees`` given. Which budget to serve is a question of cost: on this project's CPU a verify of 2 to 8
+tokens costs the same (see the README's weight products), so 7 nodes come at the price of 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from peagle_jax.errors import UserError
+
+Path_ = tuple[int, ...]  # per-depth candidate ranks from the root, e.g. (1, 0) = "10"
+
+
+def spec(paths: Iterable[Path_]) -> str:
+    """``--tree`` spec of a set of paths, parents before children."""
+    return ",".join("".join(map(str, p)) for p in sorted(paths, key=lambda p: (len(p), p)))
+
+
+def paths_of(tree_spec: str) -> frozenset[Path_]:
+    from peagle_jax.verify import parse_tree
+
+    tree = parse_tree(tree_spec)  # validates
+    out, parents = [], (None, *tree.parents)
+    for i in range(1, tree.size + 1):
+        j, p = i, []
+        while j:
+            p.append(tree.ranks[j - 1])
+            j = parents[j]
+        out.append(tuple(reversed(p)))
+    return frozenset(out)
+
+
+def accepted_depths(ranks_NK: np.ndarray, paths: frozenset[Path_], width: int) -> np.ndarray:
+    """Per root, the depth of the deepest tree path whose ranks equal ``ranks`` (``width`` = not among the
+    candidates): the drafts a step from that root accepts."""
+    N, K = ranks_NK.shape
+    base = width + 1
+    acc, ok = np.zeros(N, np.int64), np.ones(N, bool)
+    code = np.zeros(N, np.int64)
+    for d in range(1, K + 1):
+        code = code * base + ranks_NK[:, d - 1]
+        want = [int(np.polyval(p, base)) for p in paths if len(p) == d]  # the same code of each path
+        ok &= np.isin(code, want)
+        acc += ok
+    return acc
+
+
+def simulate(ranks_NK, answer, paths, width, *, max_new_tokens, stops=()) -> tuple[int, int, list[int]]:
+    """``(target forwards, tokens emitted, accepted per depth)`` of one greedy speculative run: ``answer`` is
+    the target's greedy continuation (the first token from the prefill), root i (0-based) is ``answer[i]``."""
+    acc_N = accepted_depths(ranks_NK, paths, width)
+    K = ranks_NK.shape[1]
+    forwards, emitted, per_depth = 0, 0, [0] * K
+    done, stop = 1, set(stops)
+    if answer[0] in stop:
+        return 0, 0, per_depth
+    while done < max_new_tokens:
+        a = int(acc_N[done - 1])
+        forwards, emitted = forwards + 1, emitted + a + 1
+        for d in range(a):
+            per_depth[d] += 1
+        new = answer[done : done + a + 1]
+        done += a + 1
+        if stop.intersection(new):
+            break
+    return forwards, emitted, per_depth
+
+
+def candidate_ranks(cfg, params, dcfg, dparams, prompt, answer, *, K: int, width: int) -> np.ndarray:
+    """``[len(answer) - K, K]``: at root i (``answer[i]``, after ``prompt + answer[:i]``), the rank of
+    ``answer[i + d]`` among the drafter's top-``width`` candidates at depth d (``width`` if not among them)."""
+    import jax
+    import jax.numpy as jnp
+
+    from peagle_jax.drafter.draft import to_target_ids
+    from peagle_jax.train.features import target_features
+    from peagle_jax.train.objective import PEagleBatch
+
+    x = list(prompt) + list(answer)
+    P, roots = len(prompt), len(answer) - K
+    if roots < 1:
+        raise UserError(f"an answer of {len(answer)} tokens is too short for depth {K}")
+    T = len(x) - 1  # slot r: input token x[r + 1] with the target's aux states at r (the EAGLE shift)
+    Tp = -(-T // 64) * 64  # padded: one compilation per 64 slots
+    tokens = np.zeros((1, Tp), np.int32)
+    tokens[0, :T] = x[1:]
+    inputs = np.zeros((1, Tp), np.int32)
+    inputs[0, :T] = x[:T]
+    document = np.full((1, Tp), -1, np.int32)
+    document[0, :T] = 0
+    positions = np.arange(Tp, dtype=np.int32)[None]
+    aux, _ = target_features(
+        params, jnp.asarray(inputs), jnp.asarray(positions), jnp.asarray(document), cfg=cfg, dtype="float32"
+    )
+    # Elements: every slot at depth 0 (the committed context), then depths 1..K-1 of each root's anchor
+    # (root i = x[P + i] is the input token of slot P + i - 1).
+    anchors = np.arange(P - 1, P - 1 + roots)
+    anchor = np.concatenate([np.arange(Tp)] + [anchors] * (K - 1))
+    depth = np.concatenate([np.zeros(Tp, np.int32)] + [np.full(roots, d) for d in range(1, K)])
+    E = len(anchor)
+    Ep = -(-E // 256) * 256
+    valid = np.zeros(Ep, bool)
+    valid[:E] = True
+    anchor, depth = np.pad(anchor, (0, Ep - E)), np.pad(depth, (0, Ep - E))
+    batch = PEagleBatch(
+        jnp.asarray(tokens),
+        aux,
+        jnp.zeros((1, Tp, 1), jnp.float32),  # the target's final states only enter the loss
+        jnp.ones((1, Tp), jnp.int32),
+        jnp.asarray(document),
+        jnp.asarray(anchor[None].astype(np.int32)),
+        jnp.asarray(depth[None].astype(np.int32)),
+        jnp.asarray(valid[None]),
+    )
+    embed = None if dcfg.own_embedding else params["embed_tokens"]
+    logits, _ = _element_logits()(dparams, batch, embed, cfg=dcfg)
+    top = np.asarray(to_target_ids(dparams, jax.lax.top_k(logits[0], width)[1], dcfg))  # [Ep, width]
+    out = np.full((roots, K), width, np.int64)
+    for d in range(K):
+        rows = np.arange(roots) + (anchors[0] if d == 0 else Tp + (d - 1) * roots)
+        label = np.asarray(answer[d + 1 : d + 1 + roots])  # root i's depth-(d+1) draft is answer[i + d + 1]
+        hit = top[rows] == label[:, None]
+        out[:, d] = np.where(hit.any(axis=1), hit.argmax(axis=1), width)
+    return out
+
+
+_JITTED = []
+
+
+def _element_logits():
+    """:func:`peagle_jax.train.objective.element_logits`, jitted once per process."""
+    if not _JITTED:
+        import jax
+
+        from peagle_jax.train.objective import element_logits
+
+        _JITTED.append(jax.jit(element_logits, static_argnames=("cfg",)))
+    return _JITTED[0]
+
+
+def tokens_per_step(items, paths, width, **kw) -> dict:
+    """Acceptance over answers ``items`` (``(ranks, answer)`` pairs) of the tree ``paths``."""
+    f = e = 0
+    per = None
+    for ranks, answer in items:
+        a, b, p = simulate(ranks, answer, paths, width, **kw)
+        f, e = f + a, e + b
+        per = p if per is None else [x + y for x, y in zip(per, p, strict=True)]
+    return {
+        "acceptance_length": e / f if f else 0.0,
+        "accepted_per_position": [x / f for x in per] if f else [],
+        "target_forwards": f,
+    }
+
+
+def grow(items, budgets: Sequence[int], *, K: int, width: int, **kw) -> dict[int, frozenset[Path_]]:
+    """Greedy tree growth on ``items``: per budget N, the tree of N nodes reached by adding, one at a time,
+    the node that raises the tokens per step most (ties: the shallower, then lower ranks)."""
+    tree: frozenset[Path_] = frozenset()
+    out = {}
+    for n in range(1, max(budgets) + 1):
+        frontier = {p + (r,) for p in tree | {()} if len(p) < K for r in range(width)} - tree
+        score = {c: tokens_per_step(items, tree | {c}, width, **kw)["acceptance_length"] for c in frontier}
+        best = max(sorted(frontier, key=lambda c: (len(c), c)), key=lambda c: score[c])
+        tree = tree | {best}
+        if n in budgets:
+            out[n] = tree
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.trees", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
+    p.add_argument("--drafter", help="P-EAGLE drafter directory (default: the shipped drafter of --model smollm2)")
+    p.add_argument("--questions", type=int, default=0, help="use the first N MT-Bench questions (default all 80)")
+    p.add_argument("--questions-file", help="JSONL of {'turns': [...]} instead of the MT-Bench asset")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens per answer (default 96)")
+    p.add_argument("--depth", type=int, default=4, help="deepest draft depth K a tree may use (default 4)")
+    p.add_argument("--width", type=int, default=8, help="candidates per depth, at most 10 (default 8)")
+    p.add_argument("--budgets", default="1,3,7,15", help="tree sizes in nodes to report (default 1,3,7,15)")
+    p.add_argument("--trees", default="0,1,2,00,10,20,000", help="';'-separated trees to compare with")
+    p.add_argument("--batch", type=int, default=16, help="answers generated per call (default 16)")
+    p.add_argument("--json", help="also write the results to this JSON file")
+    args = p.parse_args(argv)
+    try:
+        res = run(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(markdown(res))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+def _budgets(text: str) -> list[int]:
+    try:
+        out = sorted({int(b) for b in text.split(",") if b.strip()})
+    except ValueError:
+        out = []
+    if not out or out[0] < 1:
+        raise UserError(f"--budgets {text!r}: expected comma-separated node counts >= 1, e.g. 3,7,15")
+    return out
+
+
+def run(args) -> dict:
+    from tqdm import tqdm
+
+    from peagle_jax.bench.mtbench import default_drafters, generate_all, load_questions
+    from peagle_jax.checkpoint import load_target_any
+    from peagle_jax.drafter.load import load_drafter
+    from peagle_jax.engine import Generator
+    from peagle_jax.generate import load_tokenizer, resolve_model_dir
+
+    if not 1 <= args.width <= 10:
+        raise UserError(f"--width {args.width}: must be 1..10 (a tree spec writes each rank as one digit)")
+    if args.depth < 1 or args.max_new_tokens < 2:
+        raise UserError("--depth must be >= 1 and --max-new-tokens >= 2")
+    budgets = _budgets(args.budgets)
+    given = {t: paths_of(t) for t in args.trees.split(";") if t.strip()}
+    wide = [t for t, ps in given.items() if max(max(p) for p in ps) >= args.width]
+    if wide:
+        raise UserError(f"--trees {wide[0]}: uses a candidate rank >= --width {args.width}")
+    K = max([args.depth] + [max(map(len, ps)) for ps in given.values()])
+    args.eagle3_drafter = ""
+    default_drafters(args)
+    model_dir = resolve_model_dir(args.model)
+    tok = load_tokenizer(model_dir)
+    questions = load_questions(args.questions_file, args.questions or None)
+    if len(questions) < 2:
+        raise UserError("at least 2 questions are needed (a search half and a held-out half)")
+    if tok is None:
+        raise UserError(f"{model_dir} has no tokenizer (the questions are put in its chat template)")
+    prompts = [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
+        for q in questions
+    ]
+    dcfg, dparams = load_drafter(args.drafter)
+    if dcfg.algorithm != "peagle":
+        raise UserError(f"{args.drafter}: an {dcfg.algorithm} drafter; trees here rank P-EAGLE's parallel drafts")
+    cfg, params = load_target_any(model_dir, aux_layer_ids=dcfg.aux_layer_ids)
+    need = args.max_new_tokens + K  # the last root's drafts are checked against K tokens past it
+    plain = Generator(cfg, params, max_seq_len=max(len(p) for p in prompts) + need + 1)
+    answers = generate_all(plain, prompts, batch=args.batch, max_new_tokens=need, temperature=0.0, stops=[])
+    items = []
+    for prompt, answer in tqdm(list(zip(prompts, answers, strict=True)), desc="ranks", unit="answer"):
+        ranks = candidate_ranks(cfg, params, dcfg, dparams, prompt, answer, K=K, width=args.width)
+        items.append((ranks, answer))
+    kw = {"max_new_tokens": args.max_new_tokens, "stops": [tok.eos_token_id] if tok.eos_token_id is not None else []}
+    search, held = items[0::2], items[1::2]  # alternate questions: MT-Bench is ordered by category
+    grown = grow(search, budgets, K=K, width=args.width, **kw)
+    rows = []
+    for label, paths in [*((f"grown, {n} nodes", ps) for n, ps in grown.items()), *given.items()]:
+        rows.append(
+            {
+                "tree": label if label in given else f"{label}: {spec(paths)}",
+                "spec": spec(paths),
+                "nodes": len(paths),
+                "search": tokens_per_step(search, paths, args.width, **kw),
+                "held_out": tokens_per_step(held, paths, args.width, **kw),
+            }
+        )
+    all_ranks = np.concatenate([r[: args.max_new_tokens - 1] for r, _ in items])
+    hits = [[float((all_ranks[:, d] == r).mean()) for r in range(args.width)] for d in range(K)]
+    return {
+        "drafter": str(args.drafter),
+        "questions": len(questions),
+        "max_new_tokens": args.max_new_tokens,
+        "width": args.width,
+        "depth": K,
+        "rank_share": hits,
+        "trees": rows,
+    }
+
+
+def markdown(res: dict) -> str:
+    lines = [
+        f"{res['questions']} questions, {res['max_new_tokens']} tokens each; search on every other question, "
+        "held out the rest. Tokens per target forward (1 + accepted drafts):",
+        "",
+        "| tree | nodes | search | held out | held out accepted per depth |",
+        "|---|---|---|---|---|",
+    ]
+    for r in res["trees"]:
+        per = " / ".join(f"{x:.1%}" for x in r["held_out"]["accepted_per_position"])
+        lines.append(
+            f"| `{r['spec']}` | {r['nodes']} | {r['search']['acceptance_length']:.3f} | "
+            f"{r['held_out']['acceptance_length']:.3f} | {per} |"
+        )
+    lines += [
+        "",
+        "Share of roots whose token at depth d is the drafter's rank-r candidate (r = 0, 1, ...):",
+        "",
+    ]
+    for d, h in enumerate(res["rank_share"], start=1):
+        lines.append(f"- depth {d}: " + ", ".join(f"{x:.1%}" for x in h) + f" (in the top {len(h)}: {sum(h):.1%})")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

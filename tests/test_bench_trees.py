@@ -1,0 +1,75 @@
+"""Tree search from candidate ranks: the acceptance it computes without decoding equals what speculative
+decoding measures, and the greedy growth finds the tree the ranks favour."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_speculative import CFG, DCFG, PROMPTS, models  # noqa: F401  (a fixture)
+
+from peagle_jax.bench import trees as T
+from peagle_jax.engine import Generator
+from peagle_jax.speculative import SpecStats, SpeculativeGenerator
+from peagle_jax.verify import parse_tree
+
+
+def test_paths_and_specs_round_trip():
+    paths = T.paths_of("0,1,2,00,10,20,000")
+    assert paths == {(0,), (1,), (2,), (0, 0), (1, 0), (2, 0), (0, 0, 0)}
+    assert T.spec(paths) == "0,1,2,00,10,20,000"
+    assert parse_tree(T.spec({(1,), (1, 3), (0,)})).size == 3
+
+
+def test_accepted_depth_is_the_deepest_matching_tree_path():
+    W = 4  # rank 4 = not among the candidates
+    ranks = np.array([[0, 0, 0], [1, 0, 2], [1, 1, 0], [4, 0, 0], [2, 0, 4], [0, 4, 0]])
+    paths = T.paths_of("0,1,00,10,000")
+    assert T.accepted_depths(ranks, paths, W).tolist() == [3, 2, 1, 0, 0, 1]
+    assert T.accepted_depths(ranks, frozenset(), W).tolist() == [0] * 6
+
+
+@pytest.mark.parametrize("tree", ["0,00,000", "0,1,00,10", "0,1,2,00,10,20,000", "1,10,100,2"])
+def test_simulated_acceptance_equals_speculative_decoding(models, tree):  # noqa: F811
+    """Random tiny target and drafter (accepted at every depth): greedy speculative decoding with the tree,
+    and the simulation from the drafter's candidate ranks along plain decoding's answers, count the same
+    target forwards, tokens and accepted drafts per depth."""
+    params, dparams = models
+    t, M, W = parse_tree(tree), 20, 5
+    K = t.depth
+    answers = Generator(CFG, params, max_seq_len=64).generate(PROMPTS, max_new_tokens=M + K, stop_token_ids=[])
+    gen = SpeculativeGenerator(CFG, params, DCFG, dparams, tree=t, max_seq_len=64, adaptive=False)
+    gen.spec = SpecStats(accepted_per_position=[0] * K)
+    gen.generate(PROMPTS, max_new_tokens=M, stop_token_ids=[])
+    paths = T.paths_of(tree)
+    items = [
+        (T.candidate_ranks(CFG, params, DCFG, dparams, p, a.token_ids, K=K, width=W), a.token_ids)
+        for p, a in zip(PROMPTS, answers, strict=True)
+    ]
+    sim = T.tokens_per_step(items, paths, W, max_new_tokens=M)
+    assert sim["target_forwards"] == gen.spec.target_forwards
+    assert sim["acceptance_length"] == pytest.approx(gen.spec.acceptance_length, abs=1e-12)
+    want = [a / gen.spec.target_forwards for a in gen.spec.accepted_per_position]
+    assert sim["accepted_per_position"] == pytest.approx(want, abs=1e-12)
+    assert min(gen.spec.accepted_per_position[:2]) > 0  # accepted at two depths: the comparison says something
+
+
+def test_a_stop_token_ends_the_simulated_row():
+    ranks = np.zeros((10, 2), np.int64)  # every draft accepted with a chain of 2: 3 tokens per step
+    answer = [5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7]
+    paths = T.paths_of("0,00")
+    assert T.simulate(ranks, answer, paths, 4, max_new_tokens=10) == (3, 9, [3, 3])
+    assert T.simulate(ranks, answer, paths, 4, max_new_tokens=10, stops=[8]) == (1, 3, [1, 1])  # 6, 7, 8
+    assert T.simulate(ranks, answer, paths, 4, max_new_tokens=10, stops=[5]) == (0, 0, [0, 0])
+
+
+def test_greedy_growth_follows_the_ranks():
+    """The drafter's second candidate is right at depth 1 two times in three, its first at depth 2 after
+    it: the best node is 1, then 10; a third node goes to the first candidate at depth 1."""
+    rng = np.random.default_rng(0)
+    n = 600
+    d1 = np.where(rng.random(n) < 2 / 3, 1, 0)
+    d2 = np.where(d1 == 1, 0, 3)
+    ranks = np.stack([d1, d2, np.full(n, 5)], axis=1)
+    answer = list(range(n + 3))
+    grown = T.grow([(ranks, answer)], [1, 2, 3], K=3, width=5, max_new_tokens=n)
+    assert grown[1] == {(1,)} and grown[2] == {(1,), (1, 0)} and grown[3] == {(1,), (1, 0), (0,)}
