@@ -265,6 +265,7 @@ def run(args) -> dict:
     cfg, params = load_target_any(model_dir, aux_layer_ids=dcfg.aux_layer_ids)
     need = args.max_new_tokens + K  # the last root's drafts are checked against K tokens past it
     plain = Generator(cfg, params, max_seq_len=max(len(p) for p in prompts) + need + 1)
+    print(f"answering {len(prompts)} questions ({need} greedy tokens each) ...", file=sys.stderr, flush=True)
     answers = generate_all(plain, prompts, batch=args.batch, max_new_tokens=need, temperature=0.0, stops=[])
     items = []
     for prompt, answer in tqdm(list(zip(prompts, answers, strict=True)), desc="ranks", unit="answer"):
