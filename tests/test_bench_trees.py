@@ -73,3 +73,19 @@ def test_greedy_growth_follows_the_ranks():
     answer = list(range(n + 3))
     grown = T.grow([(ranks, answer)], [1, 2, 3], K=3, width=5, max_new_tokens=n)
     assert grown[1] == {(1,)} and grown[2] == {(1,), (1, 0)} and grown[3] == {(1,), (1, 0), (0,)}
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--width", "11"], "--width 11: must be 1..10"),
+        (["--width", "4", "--trees", "0,1,5"], "uses a candidate rank >= --width 4"),
+        (["--budgets", "0,3"], "--budgets '0,3'"),
+        (["--budgets", "x"], "--budgets 'x'"),
+        (["--trees", "0,11"], "path 11 has no parent path 1"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(argv, message, capsys):
+    assert T.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err

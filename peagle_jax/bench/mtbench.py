@@ -28,6 +28,7 @@ import json
 import re
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from tqdm import tqdm
@@ -55,6 +56,23 @@ def load_questions(path: str | None, limit: int | None) -> list[str]:
     if not out:
         raise UserError(f"{path}: no questions")
     return out[:limit] if limit else out
+
+
+def chat_prompts(tok, questions: Sequence[str]) -> list[list[int]]:
+    """Each question as a user turn in the tokenizer's chat template, ready for the assistant's answer."""
+    return [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
+        for q in questions
+    ]
+
+
+def stop_ids(cfg, tok) -> list[int]:
+    """The target's end-of-sequence ids and the tokenizer's."""
+    return sorted(set(cfg.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set()))
 
 
 def _chunks(items, n):
@@ -314,16 +332,8 @@ def run(args) -> dict:
 
     model_dir, tok, plain, make, cfg, has_eagle3 = plain_and_spec(args)
     questions = load_questions(args.questions_file, args.questions)
-    prompts = [
-        list(
-            tok.apply_chat_template(
-                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=True
-            )["input_ids"]
-        )
-        for q in questions
-    ]
-    prompts = [p[-(args.max_seq_len - args.max_new_tokens) :] for p in prompts]  # a long question keeps its end
-    stops = sorted(set(cfg.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set()))
+    prompts = [p[-(args.max_seq_len - args.max_new_tokens) :] for p in chat_prompts(tok, questions)]  # keep the end
+    stops = stop_ids(cfg, tok)
     kw = dict(batch=args.batch, max_new_tokens=args.max_new_tokens, stops=stops)
     ks = [int(k) for k in args.ks.split(",")]
     trees = [t for t in args.trees.split(";") if t.strip()] if args.trees else []

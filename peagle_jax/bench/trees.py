@@ -226,7 +226,7 @@ def _budgets(text: str) -> list[int]:
 def run(args) -> dict:
     from tqdm import tqdm
 
-    from peagle_jax.bench.mtbench import default_drafters, generate_all, load_questions
+    from peagle_jax.bench.mtbench import chat_prompts, default_drafters, generate_all, load_questions, stop_ids
     from peagle_jax.checkpoint import load_target_any
     from peagle_jax.drafter.load import load_drafter
     from peagle_jax.engine import Generator
@@ -251,14 +251,7 @@ def run(args) -> dict:
         raise UserError("at least 2 questions are needed (a search half and a held-out half)")
     if tok is None:
         raise UserError(f"{model_dir} has no tokenizer (the questions are put in its chat template)")
-    prompts = [
-        list(
-            tok.apply_chat_template(
-                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=True
-            )["input_ids"]
-        )
-        for q in questions
-    ]
+    prompts = chat_prompts(tok, questions)
     dcfg, dparams = load_drafter(args.drafter)
     if dcfg.algorithm != "peagle":
         raise UserError(f"{args.drafter}: an {dcfg.algorithm} drafter; trees here rank P-EAGLE's parallel drafts")
@@ -271,7 +264,7 @@ def run(args) -> dict:
     for prompt, answer in tqdm(list(zip(prompts, answers, strict=True)), desc="ranks", unit="answer"):
         ranks = candidate_ranks(cfg, params, dcfg, dparams, prompt, answer, K=K, width=args.width)
         items.append((ranks, answer))
-    kw = {"max_new_tokens": args.max_new_tokens, "stops": [tok.eos_token_id] if tok.eos_token_id is not None else []}
+    kw = {"max_new_tokens": args.max_new_tokens, "stops": stop_ids(cfg, tok)}
     search, held = items[0::2], items[1::2]  # alternate questions: MT-Bench is ordered by category
     grown = grow(search, budgets, K=K, width=args.width, **kw)
     rows = []
