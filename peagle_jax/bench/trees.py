@@ -272,6 +272,7 @@ def run(args) -> dict:
         rows.append(
             {
                 "tree": label if label in given else f"{label}: {spec(paths)}",
+                "grown": label not in given,
                 "spec": spec(paths),
                 "nodes": len(paths),
                 "search": tokens_per_step(search, paths, args.width, **kw),
@@ -301,8 +302,9 @@ def markdown(res: dict) -> str:
     ]
     for r in res["trees"]:
         per = " / ".join(f"{x:.1%}" for x in r["held_out"]["accepted_per_position"])
+        given = "" if r["grown"] else " (given)"
         lines.append(
-            f"| `{r['spec']}` | {r['nodes']} | {r['search']['acceptance_length']:.3f} | "
+            f"| `{r['spec']}`{given} | {r['nodes']} | {r['search']['acceptance_length']:.3f} | "
             f"{r['held_out']['acceptance_length']:.3f} | {per} |"
         )
     lines += [
