@@ -165,16 +165,38 @@ class AdaptiveK:
         if best == self.K:
             self.backoff = 0
             return best
-        gap = min(score[best] / max(score[self.K], 1e-12), 8.0)  # how much slower exploring is
+        gap = self._gap(score, best)
         # Catching up, compared at the same row bucket (a move to a bucket where drafting loses by less is a
         # change of load, not of the traffic): look again soon.
         if rows in self.explored_gap and gap < 0.75 * self.explored_gap[rows]:
             self.backoff, self.explored_gap[rows] = 0, gap
-        if self.steps - self.explored >= self.explore_every * min(gap * 2.0**self.backoff, self.max_explore_gap):
+        if self._explore_now(gap):
             self.explored, self.explored_gap[rows] = self.steps, gap
             self.backoff = min(self.backoff + 1, 16)
             return self.K
         return best
+
+    def _gap(self, score: dict[int, float], best: int) -> float:
+        """How much slower exploring the longest K' is than ``best`` (at most 8x)."""
+        return min(score[best] / max(score[self.K], 1e-12), 8.0)
+
+    def _explore_now(self, gap: float, ahead: int = 0) -> bool:
+        """Whether the backed-off interval since the last exploration has passed (``ahead`` steps from now)."""
+        interval = self.explore_every * min(gap * 2.0**self.backoff, self.max_explore_gap)
+        return self.steps + ahead - self.explored >= interval
+
+    def explore_due(self, rows: int) -> bool:
+        """Whether a shorter K' wins at ``rows`` (with every row's drafter current) and the longest is due
+        for an exploration, which :meth:`choose` runs at the next step that has a synced row. No side effects.
+        The slot engine keeps an admitted request's drafter current then even where drafting does not pay:
+        its lazy rows have no current drafter, and :meth:`choose` explores only with synced rows, so an
+        acceptance estimate that fell below break-even (a few unlucky first drafts) would otherwise never be
+        measured again, and the engine would decode plainly for its whole life."""
+        score = self._scores(rows)
+        if score is None:
+            return False
+        best = max(self.candidates, key=score.get)
+        return best != self.K and self._explore_now(self._gap(score, best), ahead=1)  # choose() counts first
 
     def calibrate(self, rows: int, k: int, seconds: Sequence[float]) -> None:
         """Set the step time of ``k`` at ``rows`` to the median of ``seconds``, steps timed by a warm-up

@@ -265,6 +265,26 @@ def test_a_tree_timed_too_slow_in_the_warm_up_is_corrected_by_an_exploration():
     assert all(k in (0, 3) for k in after) and after.count(0) <= len(after) // 64 + 1
 
 
+def test_explore_due_follows_the_exploration_interval_without_side_effects():
+    """``explore_due`` says whether :meth:`choose` would explore now (a shorter K' winning, the backed-off
+    interval passed), without counting a step or moving the schedule; never while the longest K' wins."""
+    policy = AdaptiveK([0, 3], explore_every=16, decay=1.0)
+    policy.calibrate(1, 0, [1.0] * 5)
+    policy.calibrate(1, 3, [2.0] * 5)
+    policy.tries[:], policy.accepts[:] = 10.0, 2.0  # drafting loses: E(3) ~ 1.25 tokens per 2 s
+    assert not policy.explore_due(1)
+    chosen = []
+    while 3 not in chosen:
+        due = policy.explore_due(1)
+        state = (policy.steps, policy.explored, policy.backoff)
+        assert (policy.steps, policy.explored, policy.backoff) == state  # no side effects
+        chosen.append(policy.choose(1))
+        assert due == (chosen[-1] == 3)  # due exactly when the next choice explores
+    assert len(chosen) > 16 and not policy.explore_due(1)
+    policy.tries[:], policy.accepts[:] = 10.0, 9.0  # drafting wins: nothing to explore
+    assert policy.pays(1) and not policy.explore_due(1)
+
+
 def test_drafting_must_win_by_the_margin():
     """Drafting expected 3% faster than plain steps: within the margin (5%), so plain steps are chosen; 10%
     faster: it drafts."""

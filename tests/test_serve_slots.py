@@ -319,6 +319,49 @@ def test_lazy_drafter_under_load(models, monkeypatch):
             np.testing.assert_allclose(np.asarray(x[b, :, :n]), np.asarray(y[b, :, :n]), rtol=1e-4, atol=1e-3)
 
 
+class _FixedTimes(AdaptiveK):
+    """A policy that sees the same step time for each K' on every step (this machine's noise left out)."""
+
+    SECONDS = {0: 1.0, 1: 1.1, 3: 1.15}
+
+    def record(self, rows, k, seconds, counts=()):
+        super().record(rows, k, None if seconds is None else self.SECONDS[k], counts)
+
+
+def test_a_lazy_engine_still_measures_acceptance(models):
+    """A few unlucky first drafts put the acceptance estimate below break-even, so drafting does not pay and
+    requests are admitted without the drafter (lazy). With no synced row, no step explores, so nothing would
+    ever be learnt again: plain steps for the server's whole life (seen in a benchmark, where a server's
+    first request was a raw completion its drafter guessed badly). When an exploration is due, an admission
+    keeps its drafter current instead, and the exploration measures the acceptance on it."""
+    params, dparams = models
+    plain = Generator(CFG, params, max_seq_len=96)
+    spec = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, max_seq_len=96)
+    engine = SlotEngine(spec, 1, adaptive=True)
+    policy = engine.policy = _FixedTimes([0, 1, 3], decay=1.0)
+    for k, t in _FixedTimes.SECONDS.items():
+        policy.calibrate(1, k, [t] * 5)
+    policy.tries[:], policy.accepts[:] = 4.0, 0.0  # four rejected first drafts: E(3) = 1.11 tokens per 1.15 s
+    assert not policy.pays(1) and not policy.explore_due(1)
+    requests = [([1, 2, 3, 4, 0], 60), ([1, 3, 2], 40)]
+    first, second = (SlotRequest(p, n, stop_token_ids=[]) for p, n in requests)
+    out = {first.id: engine.admit(first).tokens, second.id: []}
+    assert engine.unsynced_admits == 1
+    while engine.active:
+        for ev in engine.step():
+            out[ev.request.id] += ev.tokens
+    assert engine.steps_by_k == {0: 59}  # no synced row: plain steps only, nothing explored
+    assert policy.explore_due(1) and not policy.pays(1)
+    out[second.id] += engine.admit(second).tokens
+    assert engine.unsynced_admits == 1 and engine.state.synced[0]  # kept current for the exploration
+    while engine.active:
+        for ev in engine.step():
+            out[ev.request.id] += ev.tokens
+    assert engine.steps_by_k[3] >= 1 and policy.tries[0] > 4.0  # explored on the synced row, and learnt
+    refs = [_reference(plain, (p, n, 0.0, 0, 1.0, 0, [])) for p, n in requests]
+    assert [out[first.id], out[second.id]] == refs
+
+
 def test_adaptive_k_equals_generators_and_measures(models):
     params, dparams = models
     plain = Generator(CFG, params, max_seq_len=MAX_SEQ)

@@ -282,7 +282,10 @@ class SlotEngine:
         greedy = req.temperature == 0
         if self.speculative:
             live = np.array([s is not None or i == b for i, s in enumerate(self.slots)])
-            synced = not self.lazy or self.policy.pays(self.rows_for(live))
+            R = self.rows_for(live)
+            # The drafter is kept current where drafting pays, or where an exploration is due: it measures
+            # the acceptance on this row (AdaptiveK.explore_due), so a low estimate can still recover.
+            synced = not self.lazy or self.policy.pays(R) or self.policy.explore_due(R)
             logits, cache1, dcache1, aux1 = gen.prefill_both([prompt], 1, drafter=synced)
             self.unsynced_admits += not synced
         else:
