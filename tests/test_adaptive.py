@@ -275,8 +275,8 @@ def test_explore_due_follows_the_exploration_interval_without_side_effects():
     assert not policy.explore_due(1)
     chosen = []
     while 3 not in chosen:
-        due = policy.explore_due(1)
         state = (policy.steps, policy.explored, policy.backoff)
+        due = policy.explore_due(1)
         assert (policy.steps, policy.explored, policy.backoff) == state  # no side effects
         chosen.append(policy.choose(1))
         assert due == (chosen[-1] == 3)  # due exactly when the next choice explores

@@ -19,6 +19,7 @@ tokens costs the same (see the README's weight products), so 7 nodes come at the
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Iterable, Sequence
@@ -27,29 +28,25 @@ import numpy as np
 
 from peagle_jax.errors import UserError
 
-Path_ = tuple[int, ...]  # per-depth candidate ranks from the root, e.g. (1, 0) = "10"
+RankPath = tuple[int, ...]  # per-depth candidate ranks from the root, e.g. (1, 0) = "10"
 
 
-def spec(paths: Iterable[Path_]) -> str:
+def spec(paths: Iterable[RankPath]) -> str:
     """``--tree`` spec of a set of paths, parents before children."""
     return ",".join("".join(map(str, p)) for p in sorted(paths, key=lambda p: (len(p), p)))
 
 
-def paths_of(tree_spec: str) -> frozenset[Path_]:
+def paths_of(tree_spec: str) -> frozenset[RankPath]:
     from peagle_jax.verify import parse_tree
 
     tree = parse_tree(tree_spec)  # validates
-    out, parents = [], (None, *tree.parents)
-    for i in range(1, tree.size + 1):
-        j, p = i, []
-        while j:
-            p.append(tree.ranks[j - 1])
-            j = parents[j]
-        out.append(tuple(reversed(p)))
-    return frozenset(out)
+    ancestors = tree.ancestors()
+    return frozenset(
+        tuple(tree.ranks[j - 1] for j in ancestors[i, : tree.depths[i - 1]]) for i in range(1, tree.size + 1)
+    )
 
 
-def accepted_depths(ranks_NK: np.ndarray, paths: frozenset[Path_], width: int) -> np.ndarray:
+def accepted_depths(ranks_NK: np.ndarray, paths: frozenset[RankPath], width: int) -> np.ndarray:
     """Per root, the depth of the deepest tree path whose ranks equal ``ranks`` (``width`` = not among the
     candidates): the drafts a step from that root accepts."""
     N, K = ranks_NK.shape
@@ -143,18 +140,14 @@ def candidate_ranks(cfg, params, dcfg, dparams, prompt, answer, *, K: int, width
     return out
 
 
-_JITTED = []
-
-
+@functools.cache
 def _element_logits():
     """:func:`peagle_jax.train.objective.element_logits`, jitted once per process."""
-    if not _JITTED:
-        import jax
+    import jax
 
-        from peagle_jax.train.objective import element_logits
+    from peagle_jax.train.objective import element_logits
 
-        _JITTED.append(jax.jit(element_logits, static_argnames=("cfg",)))
-    return _JITTED[0]
+    return jax.jit(element_logits, static_argnames=("cfg",))
 
 
 def tokens_per_step(items, paths, width, **kw) -> dict:
@@ -172,10 +165,10 @@ def tokens_per_step(items, paths, width, **kw) -> dict:
     }
 
 
-def grow(items, budgets: Sequence[int], *, K: int, width: int, **kw) -> dict[int, frozenset[Path_]]:
+def grow(items, budgets: Sequence[int], *, K: int, width: int, **kw) -> dict[int, frozenset[RankPath]]:
     """Greedy tree growth on ``items``: per budget N, the tree of N nodes reached by adding, one at a time,
     the node that raises the tokens per step most (ties: the shallower, then lower ranks)."""
-    tree: frozenset[Path_] = frozenset()
+    tree: frozenset[RankPath] = frozenset()
     out = {}
     for n in range(1, max(budgets) + 1):
         frontier = {p + (r,) for p in tree | {()} if len(p) < K for r in range(width)} - tree
