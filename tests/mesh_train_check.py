@@ -40,7 +40,8 @@ LAYER = ModelConfig(
     head_dim=16,
 )
 CFG = DrafterConfig(layer=LAYER, draft_vocab_size=U, target_hidden_size=Ht, mask_token_id=V - 1)
-TCFG = TrainConfig(lr=1e-3, warmup_steps=1, total_steps=10, save_every=1)
+# Adam's eps well above the gradients' rounding differences (see the parameter check below)
+TCFG = TrainConfig(lr=1e-3, warmup_steps=1, total_steps=10, save_every=1, eps=1e-4)
 
 
 def close(a, b, what, tol=1e-5):
@@ -101,10 +102,12 @@ def main():
     for (path, a), b in zip(
         jax.tree_util.tree_leaves_with_path(state8.params), jax.tree.leaves(state1.params), strict=True
     ):
-        # Adam divides each update by the root of its second moment, so where a gradient is near zero a
-        # float rounding difference (the gradients above agree to 3e-8) moves the update by a visible
-        # fraction of the learning rate: parameters are compared to 5% of one step's size.
-        close(a, b, f"param {jax.tree_util.keystr(path)} after 3 steps", tol=0.05 * TCFG.lr)
+        # Adam divides each update by the root of its second moment plus eps, so a rounding difference d in
+        # a gradient (the gradients above agree to ~3e-8; the order of a sum differs between meshes) moves an
+        # update by up to lr * d / eps. With the default eps of 1e-8 that is a visible fraction of lr where a
+        # gradient is near zero (seen: 5.4% of lr on an AVX2 machine, under 5% on AVX-512 ones); with eps
+        # 1e-4 it is under 1e-3 lr, and parameters are compared to 1% of one step's size.
+        close(a, b, f"param {jax.tree_util.keystr(path)} after 3 steps", tol=0.01 * TCFG.lr)
 
     # A checkpoint written on the (2, 4) mesh restores on (8, 1) and on one device, values intact.
     with tempfile.TemporaryDirectory() as tmp:
