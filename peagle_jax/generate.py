@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from peagle_jax.drafter.shipped import DEFAULT_FOR_MODEL, check_speculation_flags, resolve_drafter
+from peagle_jax.drafter.shipped import DEFAULT_FOR_MODEL, check_speculation_flags, default_tree, resolve_drafter
 from peagle_jax.errors import UserError
 
 DEFAULT_MODEL = "smollm2"
@@ -86,12 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument(
         "--k",
         type=int,
-        help="draft tokens per step; 0 = no speculation, plain decoding (default: the drafter config's, usually 7)",
+        help="draft tokens per step, a chain of K; 0 = no speculation, plain decoding (default: the shipped "
+        "drafter's tree, see --tree; for other drafters the config's K, usually 7)",
     )
     spec.add_argument(
         "--tree",
         help="static draft tree as comma-separated paths of per-depth candidate ranks, e.g. 0,1,00,10 "
-        "(default: a chain of K)",
+        "(default: a chain of K; with neither --k nor --tree, a shipped drafter drafts its own tree: "
+        "0,1,2,3,4,00,01 for smollm2-peagle)",
     )
     spec.add_argument(
         "--sequential", action="store_true", help="EAGLE-3 drafting: K sequential drafter passes instead of one"
@@ -198,6 +200,7 @@ def run(args) -> dict:
     if args.max_seq_len < 2:
         raise UserError(f"--max-seq-len must be >= 2, got {args.max_seq_len}")
     args.drafter = resolve_drafter(args.model, args.drafter, args.k)
+    args.tree = default_tree(args.drafter, args.k, args.tree)
     model_dir = resolve_model_dir(args.model)
     tokenizer = load_tokenizer(model_dir)
     prompt = encode_prompt(args, tokenizer)
@@ -248,6 +251,7 @@ def run(args) -> dict:
     }
     if args.drafter is not None:
         result.update(
+            draft=gen.tree.spec(),  # the draft tree's --tree spelling (a chain of K: 0,00,...)
             acceptance_length=round(gen.spec.acceptance_length, 3),
             accepted_per_position=gen.spec.accepted_per_position,
             target_forwards=gen.spec.target_forwards,

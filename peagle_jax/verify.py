@@ -87,6 +87,23 @@ class Tree:
                 j = parent[j]
         return out
 
+    def paths(self) -> tuple[tuple[int, ...], ...]:
+        """Each node's candidate ranks from depth 1 down to it, in node order (what :func:`parse_tree` reads)."""
+        ancestors = self.ancestors()
+        return tuple(
+            tuple(self.ranks[j - 1] for j in ancestors[i, : self.depths[i - 1]]) for i in range(1, self.size + 1)
+        )
+
+    def spec(self) -> str:
+        """The ``--tree`` spelling of the tree, e.g. ``0,1,00,10``."""
+        return ",".join("".join(map(str, path)) for path in self.paths())
+
+    def describe(self) -> str:
+        """``a chain of K`` or ``the tree SPEC (N drafts, K deep)``: for messages."""
+        if self.is_chain:
+            return f"a chain of {self.depth}"
+        return f"the tree {self.spec()} ({self.size} drafts, {self.depth} deep)"
+
 
 def chain(k: int) -> Tree:
     return Tree(tuple(range(k)), tuple(range(1, k + 1)), (0,) * k)

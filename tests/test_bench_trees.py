@@ -20,6 +20,17 @@ def test_paths_and_specs_round_trip():
     assert parse_tree(T.spec({(1,), (1, 3), (0,)})).size == 3
 
 
+def test_a_tree_spells_its_own_spec():
+    from peagle_jax.verify import chain
+
+    for spec in ("0", "0,00,000", "0,1,00,10", "0,1,2,3,4,00,01", "0,1,2,00,10,20,000"):
+        assert parse_tree(spec).spec() == spec and set(parse_tree(spec).paths()) == T.paths_of(spec)
+    assert parse_tree("10,1,0").spec() == "0,1,10"  # parents first, as parse_tree orders the nodes
+    assert chain(3).spec() == "0,00,000" and chain(0).spec() == ""
+    assert chain(7).describe() == "a chain of 7"
+    assert parse_tree("0,1,2,3,4,00,01").describe() == "the tree 0,1,2,3,4,00,01 (7 drafts, 2 deep)"
+
+
 def test_accepted_depth_is_the_deepest_matching_tree_path():
     W = 4  # rank 4 = not among the candidates
     ranks = np.array([[0, 0, 0], [1, 0, 2], [1, 1, 0], [4, 0, 0], [2, 0, 4], [0, 4, 0]])

@@ -190,7 +190,7 @@ def test_plain_steps_in_a_speculative_engine_equal_generators(models, fused, seq
         CFG, params, DCFG, dparams, k=3, fused=fused, sequential=sequential, max_seq_len=MAX_SEQ
     )
     engine = SlotEngine(spec, 3, load_k=[(2, 0)])
-    assert engine.describe() == "speculative, 3 drafted tokens per step (0 from 2 active; 0 = plain)"
+    assert engine.describe() == "speculative, a chain of 3 per step (plain steps from 2 active)"
     outs, _ = _run(engine, REQUESTS, arrive_every=1)
     refs = [_reference(plain, r) for r in REQUESTS]
     assert outs == refs
@@ -367,7 +367,8 @@ def test_adaptive_k_equals_generators_and_measures(models):
     plain = Generator(CFG, params, max_seq_len=MAX_SEQ)
     spec = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, max_seq_len=MAX_SEQ)
     engine = SlotEngine(spec, 3, adaptive=True)
-    assert engine.describe().startswith("speculative, each step drafts 0/1/3 tokens")
+    described = "speculative, each step drafts 0/1/3 deep (a plain step, a chain of 1 or a chain of 3)"
+    assert engine.describe().startswith(described)
     outs, _ = _run(engine, REQUESTS, arrive_every=1)
     assert outs == [_reference(plain, r) for r in REQUESTS]
     assert set(engine.steps_by_k) == {0, 1, 3}  # each candidate is timed before the policy chooses

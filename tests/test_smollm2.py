@@ -117,3 +117,4 @@ def test_cli_chat_json(ref):
     # The embedded target is speculated by the shipped drafter by default (here at every step: the default
     # adaptive step length may decode plainly where that was measured faster), and still equals transformers.
     assert result["plain_steps"] == 0 and result["target_forwards"] >= 3 and result["acceptance_length"] >= 1.0
+    assert result["draft"] == "0,1,2,3,4,00,01" and len(result["accepted_per_position"]) == 2  # its default tree

@@ -313,7 +313,9 @@ def test_generate_cli_with_a_drafter(save_hf, tmp_path):
 @pytest.mark.slow
 def test_real_smollm2_greedy_speculative_equals_plain(tmp_path):
     """SmolLM2-135M with a random SmolLM2-sized drafter (shared embedding): acceptance is low, but every
-    emitted token must be the target's own greedy token, for a chain, a tree and sequential drafting."""
+    emitted token must be the target's own greedy token, for fused chains (parallel and sequential), a chain
+    of 1, and one row. The unfused chain of 7, the default tree and sequential drafting are checked on SmolLM2
+    with the shipped trained drafters (tests/test_shipped_drafters.py), where drafts are also accepted."""
     from transformers import AutoTokenizer
 
     from peagle_jax.drafter.load import load_drafter
@@ -333,14 +335,7 @@ def test_real_smollm2_greedy_speculative_equals_plain(tmp_path):
     plain = Generator(cfg, params, max_seq_len=256).generate(
         [prompt, prompt[:20]], max_new_tokens=24, stop_token_ids=[]
     )
-    variants = (
-        dict(k=1),
-        dict(k=3, fused=True),
-        dict(k=7),
-        dict(tree=V.parse_tree("0,1,00")),
-        dict(k=3, sequential=True),
-        dict(k=2, sequential=True, fused=True),
-    )
+    variants = (dict(k=1), dict(k=3, fused=True), dict(k=2, sequential=True, fused=True))
     for kw in variants:
         gen = SpeculativeGenerator(cfg, params, dcfg, dparams, max_seq_len=256, **kw)
         res = gen.generate([prompt, prompt[:20]], max_new_tokens=24, stop_token_ids=[])

@@ -39,11 +39,7 @@ def spec(paths: Iterable[RankPath]) -> str:
 def paths_of(tree_spec: str) -> frozenset[RankPath]:
     from peagle_jax.verify import parse_tree
 
-    tree = parse_tree(tree_spec)  # validates
-    ancestors = tree.ancestors()
-    return frozenset(
-        tuple(tree.ranks[j - 1] for j in ancestors[i, : tree.depths[i - 1]]) for i in range(1, tree.size + 1)
-    )
+    return frozenset(parse_tree(tree_spec).paths())  # parse_tree validates
 
 
 def accepted_depths(ranks_NK: np.ndarray, paths: frozenset[RankPath], width: int) -> np.ndarray:

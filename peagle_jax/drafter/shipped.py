@@ -3,7 +3,8 @@
 ``peagle_jax/drafters/<name>/`` holds a speculators-format drafter (``config.json``, bf16
 ``model.safetensors``) and its training card (``README.md``). The embedded default target (``smollm2``) is
 speculated with ``smollm2-peagle`` unless ``--k 0`` turns speculation off; other targets have no default
-drafter (pass ``--drafter``).
+drafter (pass ``--drafter``). A shipped drafter may name the static draft tree it is decoded with when neither
+``--k`` nor ``--tree`` is given (:data:`DEFAULT_TREE`); without one, a chain of the config's K.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from peagle_jax.errors import UserError
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "drafters"
 # target name (as --model spells it) -> shipped drafter used by default
 DEFAULT_FOR_MODEL = {"smollm2": "smollm2-peagle"}
+# shipped drafter -> the tree it drafts when neither --k nor --tree is given: the 7-node tree
+# `python -m peagle_jax.bench.trees` grew for it (it verifies as many tokens per step as a chain of 7 and
+# drafts only 2 deep; MT-Bench acceptance in the README's "Choosing a tree")
+DEFAULT_TREE = {"smollm2-peagle": "0,1,2,3,4,00,01"}
 
 
 def shipped_drafter(name: str) -> Path:
@@ -34,6 +39,15 @@ def resolve_drafter(model: str, drafter: str | None, k: int | None) -> str | Non
         return drafter
     name = DEFAULT_FOR_MODEL.get(model)
     return None if name is None else str(shipped_drafter(name))
+
+
+def default_tree(drafter: str | None, k: int | None, tree: str | None) -> str | None:
+    """The tree a run drafts: ``--tree``; else, without ``--k``, the :data:`DEFAULT_TREE` of a shipped
+    drafter; else None (a chain of ``--k``, or of the drafter config's K)."""
+    if tree or k is not None or drafter is None:
+        return tree
+    path = Path(drafter).resolve()
+    return DEFAULT_TREE.get(path.name) if path.parent == SHIPPED_DIR else None
 
 
 def check_speculation_flags(drafter: str | None, k: int | None, flags: dict[str, object]) -> None:

@@ -143,7 +143,10 @@ class SlotEngine:
             raise RequestError("choose either fixed load thresholds or the adaptive K, not both")
         for n, k in sorted(load_k):
             if n < 1 or not 0 <= k <= gen.K:
-                raise RequestError(f"load K {n}:{k}: need at least 1 active slot and 0 <= K' <= K = {gen.K}")
+                raise RequestError(
+                    f"load K {n}:{k}: need at least 1 active slot and 0 <= K' <= K = {gen.K} (the depth of "
+                    f"{gen.tree.describe()})"
+                )
             self.load_trees.append((n, chain(k)))
         self.policy = None
         if adaptive:
@@ -179,14 +182,19 @@ class SlotEngine:
         """One line on how steps decode: for the server's start-up message."""
         if not self.speculative:
             return "plain (no drafter)"
-        K = self.gen.K
+        tree = self.gen.tree.describe()
         if self.policy is not None:
             ks = "/".join(str(k) for k in self.policy.candidates)
-            return f"speculative, each step drafts {ks} tokens, whichever was measured fastest (--load-k auto)"
+            return (
+                f"speculative, each step drafts {ks} deep (a plain step, a chain of 1 or {tree}), whichever was "
+                "measured fastest (--load-k auto)"
+            )
         if self.load_trees:
-            rules = ", ".join(f"{t.depth} from {n} active" for n, t in self.load_trees)
-            return f"speculative, {K} drafted tokens per step ({rules}; 0 = plain)"
-        return f"speculative, {K} drafted tokens per step"
+            rules = ", ".join(
+                f"{f'a chain of {t.depth}' if t.depth else 'plain steps'} from {n} active" for n, t in self.load_trees
+            )
+            return f"speculative, {tree} per step ({rules})"
+        return f"speculative, {tree} per step"
 
     def caches_lost(self) -> bool:
         """Whether a failed call consumed (donated) the caches, so that only :meth:`reset` can go on."""
