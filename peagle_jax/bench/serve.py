@@ -203,8 +203,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--k",
         type=int,
-        help="draft tokens per step (a chain of K) in the speculative modes (default: the server's, i.e. the "
-        "shipped drafter's tree, or the drafter config's K)",
+        help="draft tokens per step (a chain of K) in the speculative modes (default: the server's, the drafter "
+        "config's K)",
     )
     p.add_argument(
         "--tree", help="a static draft tree for the speculative modes instead of a chain of --k, e.g. 0,1,00,10"
@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="server --dtype (default: the server's, float32)")
     p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args(argv)
-    from peagle_jax.drafter.shipped import default_tree, resolve_drafter
+    from peagle_jax.drafter.shipped import resolve_drafter
     from peagle_jax.errors import UserError
     from peagle_jax.verify import parse_tree
 
@@ -266,8 +266,7 @@ def main(argv=None) -> int:
     model = "smollm2" if args.model == "smollm2" else Path(args.model).resolve().name
     shape = ["--tree", args.tree] if args.tree else ["--k", str(args.k)] if args.k is not None else []
     spec = [*common, "--drafter", drafter, *shape]
-    tree = default_tree(drafter, args.k, args.tree)  # what the server drafts
-    what = f"tree {tree}" if tree else f"K={args.k}" if args.k is not None else "the drafter config's K"
+    what = f"tree {args.tree}" if args.tree else f"K={args.k}" if args.k is not None else "the drafter config's K"
     modes = {
         "plain": [*common, "--k", "0"],
         f"speculative {what}": [*spec, "--load-k", "none"],
