@@ -143,16 +143,36 @@ def new_token_layout(start_B, num_new: int, num_slots: int, window: int | None, 
     return start_B, positions_BT, visible_mask(start_B, num_new, width, mask_BTT)
 
 
-def attention(q_BTNH, k_BGSH, v_BGSH, visible_BTS):
+def attention_form(rows: int) -> str:
+    """How :func:`attention` computes the scores for ``rows`` query rows per kv head (R*T): ``"K @ q^T"`` up to
+    ``SMALL_ROWS`` (every decode, verify and draft step), else ``"q @ K^T"``."""
+    return "K @ q^T" if rows <= SMALL_ROWS else "q @ K^T"
+
+
+def attention(q_BTNH, k_BGSH, v_BGSH, visible_BTS, form: str | None = None):
     """Grouped-query attention of T new queries over S cache slots; softmax in fp32.
 
     The R query heads sharing a kv head are folded into the matmul rows (``[R*T, H] x [S, H]`` per row and
     kv head), so the cache is read once per kv head.
+
+    ``form`` (default :func:`attention_form`) is how the scores are computed. ``"K @ q^T"``: the keys are the
+    left operand, and the product is transposed behind an optimization barrier, as :func:`linear` does with
+    its weights: as ``q @ K^T``, XLA's CPU dot repacks the whole key window on every call. Measured over
+    SmolLM2's 30 layers on one row (``python -m peagle_jax.bench.attention``), fp32: 2.4x faster at 2048
+    slots for one query, 1.4x for 8 (a tree verify); bf16: about 1.1x.
     """
     B, T, N, H = q_BTNH.shape
     G = k_BGSH.shape[1]
     q_BGRTH = jnp.transpose(q_BTNH.reshape(B, T, G, N // G, H), (0, 2, 3, 1, 4))
-    scores_BGRTS = jnp.einsum("BGRTH,BGSH->BGRTS", q_BGRTH, k_BGSH, preferred_element_type=jnp.float32)
+    form = form or attention_form((N // G) * T)
+    if form == "K @ q^T":
+        q_BGMH = q_BGRTH.reshape(B, G, -1, H)
+        scores_BGSM = jnp.einsum("BGSH,BGMH->BGSM", k_BGSH, q_BGMH, preferred_element_type=jnp.float32)
+        scores_BGRTS = jnp.swapaxes(jax.lax.optimization_barrier(scores_BGSM), -1, -2).reshape(*q_BGRTH.shape[:4], -1)
+    elif form == "q @ K^T":
+        scores_BGRTS = jnp.einsum("BGRTH,BGSH->BGRTS", q_BGRTH, k_BGSH, preferred_element_type=jnp.float32)
+    else:
+        raise ValueError(f"unknown attention form {form!r}")
     scores_BGRTS = scores_BGRTS * (1.0 / math.sqrt(H))
     scores_BGRTS = jnp.where(visible_BTS[:, None, None, :, :], scores_BGRTS, MASK_VALUE)
     probs_BGRTS = jax.nn.softmax(scores_BGRTS, axis=-1).astype(v_BGSH.dtype)

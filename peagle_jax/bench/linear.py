@@ -71,16 +71,22 @@ def measure(mats, rows: int, rounds: int) -> dict:
 
     rng = np.random.default_rng(0)
     xs = [jax.numpy.asarray(rng.standard_normal((rows, w.shape[1]), np.float32)).astype(w.dtype) for w in mats]
-    fns = {name: _chained(f) for name, f in forms().items()}
+    return interleaved({name: _chained(f) for name, f in forms().items()}, (mats, xs), rounds)
+
+
+def interleaved(fns: dict, args: tuple, rounds: int) -> dict[str, float]:
+    """Median ms of each jitted ``fns[name](*args)``: each compiled and run once untimed, then ``rounds``
+    rounds with the functions taking turns in an order that rotates each round, so that the machine's noise
+    hits all of them alike."""
     for f in fns.values():  # compile, then one untimed pass
-        f(mats, xs).block_until_ready()
-        f(mats, xs).block_until_ready()
+        f(*args).block_until_ready()
+        f(*args).block_until_ready()
     times = {name: [] for name in fns}
     order = list(fns)
     for i in range(rounds):
         for name in order[i % len(order) :] + order[: i % len(order)]:
             t0 = time.perf_counter()
-            fns[name](mats, xs).block_until_ready()
+            fns[name](*args).block_until_ready()
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 

@@ -1,0 +1,114 @@
+"""``python -m peagle_jax.bench.attention``: the two forms of the attention scores, side by side, by window.
+
+:func:`peagle_jax.ops.attention` computes a step's scores (T new queries per row against a window of W
+cache slots) as ``K @ q^T`` then transposed, or as ``q @ K^T`` (see there). This times, for each window W
+and query count T, one attention per layer of the model in each form, chained as in a forward pass, on one
+row, interleaved round by round, and reports the ratio and which form ``ops.attention`` picks. Prints a
+markdown table (medians); ``--json FILE`` writes it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+FORMS = ("q @ K^T", "K @ q^T")
+
+
+def _chained(form, layers: int):
+    """A jitted pass of ``layers`` attentions, each one's output the next one's queries."""
+    import jax
+
+    from peagle_jax import ops
+
+    def run(q, ks, vs, visible):
+        for i in range(layers):
+            q = ops.attention(q, ks[i], vs[i], visible, form=form).astype(q.dtype)
+        return q
+
+    return jax.jit(run)
+
+
+def measure(cfg, window: int, queries: int, rounds: int) -> dict[str, float]:
+    """Median ms of one pass over the model's layers per form: ``queries`` new tokens against ``window``
+    slots (every slot visible), random keys, values and queries in the model's dtype."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from peagle_jax.bench.linear import interleaved
+
+    rng = np.random.default_rng(0)
+    dt, G, H = cfg.jnp_dtype, cfg.num_kv_heads, cfg.head_dim
+
+    def rand(*shape):
+        return jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dt)
+
+    q = rand(1, queries, cfg.num_heads, H)
+    ks = [rand(1, G, window, H) for _ in range(cfg.num_layers)]
+    vs = [rand(1, G, window, H) for _ in range(cfg.num_layers)]
+    visible = jnp.ones((1, queries, window), bool)
+    fns = {form: _chained(form, cfg.num_layers) for form in FORMS}
+    return interleaved(fns, (q, ks, vs, visible), rounds)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.attention", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
+    p.add_argument("--windows", default="256,1024,2048", help="attention windows W (cache slots), comma-separated")
+    p.add_argument("--queries", default="1,8", help="new tokens T per step (1: decode; K'+1 or tree nodes + 1: verify)")
+    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds per setting (default 15)")
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="cache and queries (default float32)"
+    )
+    p.add_argument("--json", help="also write the results to this JSON file")
+    args = p.parse_args(argv)
+    try:
+        windows = [int(w) for w in args.windows.split(",")]
+        queries = [int(t) for t in args.queries.split(",")]
+        if min(windows + queries) < 1 or args.rounds < 1:
+            raise ValueError
+    except ValueError:
+        print(
+            f"error: --windows and --queries must be positive integers and --rounds >= 1 "
+            f"(got {args.windows!r}, {args.queries!r})",
+            file=sys.stderr,
+        )
+        return 2
+    from tqdm import tqdm
+
+    from peagle_jax import ops
+    from peagle_jax.checkpoint import load_target_any
+    from peagle_jax.errors import UserError
+    from peagle_jax.generate import resolve_model_dir
+
+    try:
+        cfg, _ = load_target_any(resolve_model_dir(args.model), dtype=args.dtype)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    R = cfg.num_heads // cfg.num_kv_heads
+    settings = [(w, t) for w in windows for t in queries]
+    results = []
+    for w, t in tqdm(settings, desc="settings", file=sys.stderr):
+        ms = measure(cfg, w, t, args.rounds)
+        picks = ops.attention_form(R * t)
+        results.append({"window": w, "queries": t, "ms": ms, "ratio": ms["K @ q^T"] / ms["q @ K^T"], "picks": picks})
+    heads = f"{cfg.num_heads} query / {cfg.num_kv_heads} kv heads of {cfg.head_dim}"
+    print(f"{cfg.num_layers} layers, {heads} ({cfg.dtype}); one row; median ms per pass, {args.rounds} rounds\n")
+    print("| window W | queries T | q @ K^T | K @ q^T (barrier) | K @ q^T / q @ K^T | ops.attention picks |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        ms = r["ms"]
+        print(
+            f"| {r['window']} | {r['queries']} | {ms['q @ K^T']:.2f} ms | {ms['K @ q^T']:.2f} ms | {r['ratio']:.2f}x "
+            f"| {r['picks']} |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": str(args.model), "dtype": args.dtype, "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
