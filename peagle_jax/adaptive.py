@@ -22,7 +22,8 @@ one now and then, so that the acceptance estimate stays current: every ``explore
 slower that one is, and twice as long after each exploration that did not bring it closer to winning, up to
 ``max_explore_gap`` times ``explore_every`` (so a drafter that keeps losing costs ~0.2% of the steps, not
 ~2%); the interval starts over when an exploration narrows the gap by a quarter against the last one at the
-same row bucket, or the longest K' wins.
+same row bucket, or the longest K' wins. Where the longest K' would lose even with every draft accepted
+(K + 1 tokens per step against the best shorter K' at its measured rate), it is not explored at all.
 
 While a drafting K' wins, the plain step is run again every ``retime_every`` steps at that row bucket, so
 that its time stays current too (the new time replaces the stale average; otherwise it would come only
@@ -170,11 +171,17 @@ class AdaptiveK:
         # change of load, not of the traffic): look again soon.
         if rows in self.explored_gap and gap < 0.75 * self.explored_gap[rows]:
             self.backoff, self.explored_gap[rows] = 0, gap
-        if self._explore_now(gap):
+        if self._explore_now(gap) and self._could_win(rows, score[best]):
             self.explored, self.explored_gap[rows] = self.steps, gap
             self.backoff = min(self.backoff + 1, 16)
             return self.K
         return best
+
+    def _could_win(self, rows: int, best_score: float) -> bool:
+        """Whether the longest K' would beat ``best_score`` at ``rows`` if every draft were accepted (K + 1
+        tokens per step). Where it would not (a step that costs more than K + 1 plain steps: on a CPU, a
+        7-node tree at 8 or 16 busy rows), exploring it only costs time, whatever the acceptance is."""
+        return (self.K + 1) / self.step_time(rows, self.K) > best_score
 
     def _gap(self, score: dict[int, float], best: int) -> float:
         """How much slower exploring the longest K' is than ``best`` (at most 8x)."""
@@ -196,7 +203,9 @@ class AdaptiveK:
         if score is None:
             return False
         best = max(self.candidates, key=score.get)
-        return best != self.K and self._explore_now(self._gap(score, best), ahead=1)  # choose() counts first
+        if best == self.K or not self._could_win(rows, score[best]):
+            return False
+        return self._explore_now(self._gap(score, best), ahead=1)  # choose() counts first
 
     def calibrate(self, rows: int, k: int, seconds: Sequence[float]) -> None:
         """Set the step time of ``k`` at ``rows`` to the median of ``seconds``, steps timed by a warm-up

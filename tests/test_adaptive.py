@@ -373,3 +373,27 @@ def test_calibration_takes_the_median_of_the_warm_up_steps():
     assert policy.choose(1) == 3  # 1.75+ tokens per 1.4 s beats 1 per 1.0 s (with the margin)
     with pytest.raises(ValueError, match="at least one"):
         policy.calibrate(1, 0, [])
+
+
+def test_no_exploration_where_even_full_acceptance_loses():
+    """At 8 rows the tree (depth 2: at most 3 tokens per step) costs 3.6 plain steps, so it cannot win
+    whatever is accepted: the policy never explores it there (nor asks for a synced admission), while at
+    1 row, where it costs 1.3 plain steps, it keeps exploring it as before."""
+    policy = AdaptiveK([0, 1, 2], shared=False, explore_every=16, decay=1.0)
+    costs = {8: {0: 1.0, 1: 1.5, 2: 3.6}, 1: {0: 1.0, 1: 1.15, 2: 1.3}}
+    for rows, times in costs.items():
+        for k, s in times.items():
+            policy.calibrate(rows, k, [s] * 5)
+    for k in (1, 2):  # acceptance too low for drafting to pay at either load
+        tries, accepts = policy._counts[policy._group(k)]
+        tries[:k], accepts[:k] = 1e6, 1e5
+    assert not policy._could_win(8, 1.05) and policy._could_win(1, 1.05)
+    for rows, want in ((8, 0), (1, 5)):
+        chosen, due = [], []
+        for _ in range(600):
+            due.append(policy.explore_due(rows))
+            chosen.append(policy.choose(rows))
+            policy.record(rows, chosen[-1], costs[rows][chosen[-1]], [1] if chosen[-1] else ())
+        explored = chosen.count(2)
+        assert explored == sum(due) and (explored == 0 if want == 0 else explored >= want), (rows, explored)
+        assert set(chosen) <= {0, 2}
