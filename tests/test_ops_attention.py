@@ -8,6 +8,7 @@ import math
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from serve_fixtures import write_tiny_model
@@ -38,7 +39,7 @@ def _reference(q, k, v, visible):
     return np.einsum("bnts,bnsh->btnh", p, vv)
 
 
-@pytest.mark.parametrize("form", ["q @ K^T", "K @ q^T", None])
+@pytest.mark.parametrize("form", ["q @ K^T", "K @ q^T", "bf16 kernel", None])
 @pytest.mark.parametrize("T", [1, 5])
 def test_attention_forms_equal_reference(form, T):
     q, k, v, visible = _inputs(T, 40)
@@ -53,7 +54,16 @@ def test_unknown_form_is_refused():
 
 def test_attention_form_by_rows():
     assert ops.attention_form(1) == ops.attention_form(ops.SMALL_ROWS) == "K @ q^T"
-    assert ops.attention_form(ops.SMALL_ROWS + 1) == "q @ K^T"
+    assert ops.attention_form(1, jnp.bfloat16) == ops.attention_form(ops.SMALL_ROWS, jnp.bfloat16) == "bf16 kernel"
+    assert ops.attention_form(ops.SMALL_ROWS + 1) == ops.attention_form(ops.SMALL_ROWS + 1, jnp.bfloat16) == "q @ K^T"
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_bf16_kernel_form_equals_reference_in_bf16(T):
+    q, k, v, visible = _inputs(T, 40, seed=T)
+    got = jax.jit(ops.attention)(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), visible)
+    want = _reference(*(np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32) for x in (q, k, v)), visible)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0.05, atol=0.05)
 
 
 @pytest.mark.parametrize("T", [1, 8])
@@ -80,7 +90,7 @@ def test_bench_attention_times_both_forms(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert [(r["window"], r["queries"]) for r in result["results"]] == [(16, 1), (16, 3), (32, 1), (32, 3)]
     for r in result["results"]:
-        assert set(r["ms"]) == {"q @ K^T", "K @ q^T"} and min(r["ms"].values()) > 0
+        assert set(r["ms"]) == {"q @ K^T", "K @ q^T", "bf16 kernel"} and min(r["ms"].values()) > 0
         assert abs(r["ratio"] - r["ms"]["K @ q^T"] / r["ms"]["q @ K^T"]) < 1e-9 and r["picks"] == "K @ q^T"
     assert "| window W | queries T |" in table and "| 32 | 3 |" in table
     assert bench_attention.main(["--model", str(model), "--windows", "0"]) == 2
