@@ -8,9 +8,10 @@ a decode of B tokens), the acceptance with the traffic. The policy keeps, per ro
 - the step time, an exponential moving average of the measured seconds per step (the first sample of each
   (R, K') is dropped: it may include a compilation or a cold cache);
 - per draft depth d, the acceptance rate given that depth d - 1 was accepted, ``p_d`` (decayed counts
-  with a weak 0.5 prior), shared by every K' when the candidates are chains (a parallel draft's depth d
-  does not depend on K'); a tree keeps its own (``shared=False``): with several candidates at a depth it
-  is accepted there more often than a chain of 1 is, and mixing the two would hide what the tree gains.
+  with a 0.5 prior worth ``prior_weight`` rows), shared by every K' when the candidates are chains (a
+  parallel draft's depth d does not depend on K'); a tree keeps its own (``shared=False``): with several
+  candidates at a depth it is accepted there more often than a chain of 1 is, and mixing the two would hide
+  what the tree gains.
 
 It chooses ``argmax_K' E(K') / time(R, K')`` with ``E(K') = 1 + sum_{d <= K'} p_1 ... p_d`` tokens per row
 and step. At the first row bucket it tries every candidate in turn until each has enough timed steps; at a
@@ -76,6 +77,7 @@ class AdaptiveK:
         min_samples: int = 2,
         decay: float = 0.99,
         smoothing: float = 0.2,
+        prior_weight: float = 8.0,
     ):
         if not candidates or min(candidates) < 0:
             raise ValueError(f"candidates must be draft lengths >= 0, got {candidates}")
@@ -85,6 +87,12 @@ class AdaptiveK:
         self.retime_every, self.margin = retime_every, margin
         self.last_timed: dict[tuple[int, int], int] = {}  # (rows, K') -> self.steps when last timed
         self.decay, self.smoothing = decay, smoothing
+        # The 0.5 prior per depth counts as this many rows. With one, the first few rejected drafts of a
+        # request (a server's first steps, or a prompt the drafter guesses badly at its start) put a tree's
+        # estimate so low that a chain of 1 or the plain step won, the tree ran only as a backed-off
+        # exploration, and its real acceptance was never learnt (a serving benchmark at one client: 3 tree
+        # steps in 269, 0.98x where the tree at every step ran at 1.25x).
+        self.prior_weight = prior_weight
         # Acceptance counts per group of candidates (one group when shared; else the longest K' alone):
         # per depth, rows that reached it (every earlier depth accepted) and rows that accepted it.
         self.shared = shared
@@ -104,7 +112,7 @@ class AdaptiveK:
         """``p_d`` per depth d = 1..K of candidate ``k`` (default the longest): the rate of accepting depth d
         having accepted d - 1."""
         tries, accepts = self._counts[self._group(self.K if k is None else k)]
-        return (accepts + 0.5) / (tries + 1.0)
+        return (accepts + 0.5 * self.prior_weight) / (tries + self.prior_weight)
 
     def expected_tokens(self, k: int, synced: float = 1.0) -> float:
         """Tokens a row emits per step drafting ``k``: 1 + the expected accepted prefix, of which only the

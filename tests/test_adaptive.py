@@ -397,3 +397,28 @@ def test_no_exploration_where_even_full_acceptance_loses():
         explored = chosen.count(2)
         assert explored == sum(due) and (explored == 0 if want == 0 else explored >= want), (rows, explored)
         assert set(chosen) <= {0, 2}
+
+
+@pytest.mark.parametrize("prior_weight,settles_on_tree", [(8.0, True), (1.0, False)])
+def test_an_unlucky_start_does_not_lock_the_tree_out(prior_weight, settles_on_tree):
+    """The step times a serving benchmark's warm-up calibrated at one row (plain 30.6 ms, a chain of 1
+    37.9 ms, the tree 36.9 ms); the tree is really accepted at depth 1 60% of the time (then 23%), a chain
+    of 1 37%: the tree emits the most per second. Its first three steps are rejected (a short first request).
+    With the prior worth 8 rows the tree keeps running and learns its real rate; worth one row (the former
+    prior) its estimate fell so low that a chain of 1 and plain steps won for the rest of the run."""
+    policy = AdaptiveK([0, 1, 2], shared=False, prior_weight=prior_weight)
+    step_s = {0: 0.0306, 1: 0.0379, 2: 0.0369}
+    for k, s in step_s.items():
+        policy.calibrate(1, k, [s] * 5)
+    rates, rng, chosen = {1: [0.37], 2: [0.6, 0.23]}, np.random.default_rng(7), []
+    for _ in range(400):
+        k = policy.choose(1)
+        unlucky = k and sum(1 for j in chosen if j) < 3  # the first three drafted steps reject all
+        c = 1
+        while k and c <= k and not unlucky and rng.random() < rates[k][c - 1]:
+            c += 1
+        policy.record(1, k, step_s[k], [c] if k else ())
+        chosen.append(k)
+    assert chosen[0] == 2  # the prior: the tree first
+    tail = chosen[100:]
+    assert (tail.count(2) >= 0.8 * len(tail)) == settles_on_tree, {k: tail.count(k) for k in (0, 1, 2)}

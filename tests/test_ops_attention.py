@@ -95,3 +95,5 @@ def test_bench_attention_times_both_forms(tmp_path, capsys):
     assert "| window W | queries T |" in table and "| 32 | 3 |" in table
     assert bench_attention.main(["--model", str(model), "--windows", "0"]) == 2
     assert "error: --windows" in capsys.readouterr().err
+    assert bench_attention.main(["--model", str(tmp_path / "missing")]) == 2
+    assert capsys.readouterr().err.startswith("error: ")

@@ -79,15 +79,12 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     from peagle_jax import ops
-    from peagle_jax.checkpoint import load_target_any
-    from peagle_jax.errors import UserError
-    from peagle_jax.generate import resolve_model_dir
+    from peagle_jax.bench.linear import load_model
 
-    try:
-        cfg, _ = load_target_any(resolve_model_dir(args.model), dtype=args.dtype)
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+    loaded = load_model(args.model, args.dtype)
+    if loaded is None:
         return 2
+    cfg = loaded[0]
     R = cfg.num_heads // cfg.num_kv_heads
     settings = [(w, t) for w in windows for t in queries]
     results = []

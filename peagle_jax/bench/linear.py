@@ -91,6 +91,20 @@ def interleaved(fns: dict, args: tuple, rounds: int) -> dict[str, float]:
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
+def load_model(model: str, dtype: str):
+    """``(cfg, params)`` of a ``--model`` (a directory or 'smollm2'), or None after printing why it could not
+    be loaded (a user mistake: one line, no traceback)."""
+    from peagle_jax.checkpoint import load_target_any
+    from peagle_jax.errors import UserError
+    from peagle_jax.generate import resolve_model_dir
+
+    try:
+        return load_target_any(resolve_model_dir(model), dtype=dtype)
+    except (UserError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.linear", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
@@ -111,15 +125,11 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     from peagle_jax import ops
-    from peagle_jax.checkpoint import load_target_any
-    from peagle_jax.errors import UserError
-    from peagle_jax.generate import resolve_model_dir
 
-    try:
-        cfg, params = load_target_any(resolve_model_dir(args.model), dtype=args.dtype)
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+    loaded = load_model(args.model, args.dtype)
+    if loaded is None:
         return 2
+    cfg, params = loaded
     mats = _matrices(params)
     mb = sum(w.nbytes for w in mats) / 2**20
     results = []
