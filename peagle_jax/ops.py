@@ -165,7 +165,7 @@ def attention(q_BTNH, k_BGSH, v_BGSH, visible_BTS, form: str | None = None):
     barrier, and ``probs @ V`` with the same rows and f32 accumulation: the forms in which XLA's CPU library
     kernel multiplies bf16 operands (see :func:`linear`); otherwise it converts the key and value windows to
     f32 first. Measured over SmolLM2's 30 layers on one row (``python -m peagle_jax.bench.attention``, see the
-    README): 0.46-0.93x the time of ``q @ K^T`` in fp32 and 0.3-0.7x in bf16, from 256 to 2048 slots.
+    README): 0.46-0.94x the time of ``q @ K^T`` in fp32 and 0.31-0.59x in bf16, from 256 to 2048 slots.
     """
     B, T, N, H = q_BTNH.shape
     G = k_BGSH.shape[1]

@@ -81,7 +81,7 @@ def test_compiled_scores_keep_the_keys_as_left_operand(T):
     assert dots("q @ K^T") == sorted([f"2,2,{M},64", f"2,2,{M},8"])
 
 
-def test_bench_attention_times_both_forms(tmp_path, capsys):
+def test_bench_attention_times_every_form(tmp_path, capsys):
     model = write_tiny_model(tmp_path / "target")
     out = tmp_path / "attention.json"
     argv = ["--model", str(model), "--windows", "16,32", "--queries", "1,3", "--rounds", "2", "--json", str(out)]
