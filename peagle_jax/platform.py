@@ -17,6 +17,7 @@ Caches, so that a restart does not recompile (minutes per graph under neuronx-cc
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from importlib.metadata import entry_points
@@ -158,3 +159,36 @@ class MapBudget:
                 f"mappings, more than this process may hold (vm.max_map_count = {limit:,}; XLA's CPU backend "
                 f"maps every compiled kernel): {MAP_LIMIT_HELP}"
             )
+
+
+# Graphs traced while this is set hold no branch (``lax.cond``): peagle_jax.neuron.export sets it while it
+# traces for Neuron, whose compiler takes no stablehlo.case/if (what peagle_jax.neuron.lint checks).
+_static_graphs = False
+
+
+def branching_allowed() -> bool:
+    """Whether a graph traced now may branch on device values (``lax.cond``) to skip work: yes on the CPU,
+    GPU and TPU backends; no on Neuron, nor inside :func:`static_graphs` (an export for Neuron, traced on
+    the CPU). A graph that branches must compute exactly what its branch-free form computes."""
+    import jax
+
+    return not _static_graphs and jax.default_backend() != "neuron"
+
+
+@contextlib.contextmanager
+def static_graphs():
+    """Trace branch-free graphs inside (see :func:`branching_allowed`). JAX's tracing caches are cleared on
+    entry and exit of the outermost one, so no graph traced under the other setting is reused."""
+    import jax
+
+    global _static_graphs
+    if _static_graphs:  # nested: nothing changes
+        yield
+        return
+    _static_graphs = True
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        _static_graphs = False
+        jax.clear_caches()

@@ -79,12 +79,14 @@ def test_bench_serve_runs_every_mode_and_reports_steps_by_k(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_bench_serve_with_a_tree_in_bfloat16(tmp_path, capsys):
-    """--tree replaces the chain of --k in the speculative modes (named after it); --dtype reaches the servers."""
+    """--tree replaces the chain of --k in the speculative modes (named after it); --dtype reaches the servers;
+    --temperature and --top-p make every request a sampled one."""
     model = write_tiny_model(tmp_path / "target")
     drafter = write_tiny_drafter(tmp_path / "drafter", k=2)
     out = tmp_path / "serve.json"
     argv = ["--model", str(model), "--drafter", str(drafter), "--tree", "0,1,00", "--concurrency", "1"]
     argv += ["--rounds", "1", "--max-tokens", "8", "--max-seq-len", "64", "--dtype", "bfloat16", "--json", str(out)]
+    argv += ["--temperature", "0.8", "--top-p", "0.9"]
     assert bench_serve.main([*argv, "--repeats", "2"]) == 0
     result = json.loads(out.read_text())
     tree = "speculative tree 0,1,00"
@@ -95,6 +97,7 @@ def test_bench_serve_with_a_tree_in_bfloat16(tmp_path, capsys):
     assert progress == ["plain", tree, auto, tree, auto, "plain"]
     assert list(result["modes"]) == ["plain", tree, f"{tree}, --load-k auto (default)"]
     assert result["config"]["dtype"] == "bfloat16"
+    assert (result["config"]["temperature"], result["config"]["top_p"]) == (0.8, 0.9)
     assert all(set(r["steps_by_k"]) == {"2"} for r in result["modes"][tree]["levels"])  # K': the tree's depth
     for mode in result["modes"].values():  # two repeats of one request each, pooled
         (level,) = mode["levels"]
@@ -118,6 +121,8 @@ def test_bench_serve_refuses_a_bad_tree(capsys):
         (["--concurrency", "0"], "--concurrency must be positive integers"),
         (["--repeats", "0"], "--repeats must be at least 1"),
         (["--max-tokens", "-3"], "--max-tokens must be at least 1"),
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--top-p", "0"], "top_p must be in (0, 1]"),
     ],
 )
 def test_bench_serve_refuses_bad_counts(flags, message, capsys):

@@ -70,3 +70,15 @@ def test_unknown_platform():
 
     with pytest.raises(UserError, match="choose one of"):
         select_platform("ipu")
+
+
+def test_static_graphs_forbids_branching_inside_and_nests():
+    from peagle_jax.platform import branching_allowed, static_graphs
+
+    assert branching_allowed()  # the CPU backend may branch
+    with static_graphs():
+        assert not branching_allowed()
+        with static_graphs():
+            assert not branching_allowed()
+        assert not branching_allowed()  # leaving the inner one keeps the outer setting
+    assert branching_allowed()

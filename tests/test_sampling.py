@@ -134,3 +134,42 @@ def test_top_p_one_keeps_all_that_top_k_kept():
     for k in (0, 100):
         out = np.asarray(processed_logits(logits, SamplingParams.make(8, 1.0, k, 1.0)))
         assert (np.isfinite(out).sum(-1) == (49152 if k == 0 else k)).all()
+
+
+def _batch_logits(B=6, V=300):
+    """Logits with ties, -inf entries and a row of equal values."""
+    x = np.random.RandomState(3).randint(-20, 20, (B, V)).astype(np.float32) / 4.0
+    x[1, :50] = -np.inf
+    x[2] = 1.5
+    return jnp.asarray(x)
+
+
+@pytest.mark.parametrize(
+    "top_k,top_p",
+    [
+        ([0] * 6, [1.0] * 6),  # no row filters: the branch that skips the searches
+        ([0, 0, 0, 5, 0, 0], [1.0] * 6),  # one row's top-k makes the whole batch search
+        ([0] * 6, [1.0, 1.0, 0.9, 1.0, 1.0, 1.0]),
+    ],
+)
+def test_the_no_filter_shortcut_changes_no_logit(top_k, top_p):
+    """On the CPU a batch in which no row filters skips the searches (a lax.cond); every row's logits equal
+    the branch-free graph's (what Neuron runs) bit for bit, whether or not another row filters."""
+    from peagle_jax.platform import static_graphs
+
+    logits = _batch_logits()
+    temperature = [0.0, 0.7, 1.0, 1.3, 2.0, 1.0]
+    params = SamplingParams(jnp.asarray(temperature), jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p))
+    branching = jax.jit(processed_logits)
+    text = branching.lower(logits, params).as_text()
+    assert "stablehlo.case" in text
+    got = np.asarray(branching(logits, params))
+    with static_graphs():
+        static = jax.jit(processed_logits)
+        assert "stablehlo.case" not in static.lower(logits, params).as_text()
+        want = np.asarray(static(logits, params))
+    np.testing.assert_array_equal(got, want)
+    if not any(top_k) and min(top_p) == 1.0:  # nothing filtered: every finite logit kept, only scaled
+        temp = np.where(np.asarray(temperature) > 0, temperature, 1.0)[:, None]
+        np.testing.assert_array_equal(np.isfinite(got), np.isfinite(np.asarray(logits)))
+        np.testing.assert_allclose(got, np.asarray(logits) / temp, rtol=1e-6)  # XLA divides within 1 ulp

@@ -6,10 +6,11 @@ SmolLM2, or a random P-EAGLE drafter of SmolLM2's size for other models, draftin
 (``--load-k none``); the server's default, which picks plain, 1 or K drafts per step by measured throughput
 (``--load-k auto``); optionally another ``--load-k`` policy) the benchmark starts a server with the same
 model and flags and waits until its graphs are compiled; all servers stay up, and at each concurrency level c
-each mode in turn runs ``--rounds`` x c streamed greedy completions from c client threads (each client sends
-its next request when the previous one ends). Per request it records the time to the first token (TTFT) and
-the time per output token after it (TPOT); per level the output-token throughput (generated tokens / wall
-time) and the engine steps at each draft length K' (from /metrics). With ``--repeats N`` each level is
+each mode in turn runs ``--rounds`` x c streamed completions (greedy, or sampled at ``--temperature``) from
+c client threads (each client sends its next request when the previous one ends). Per request it records
+the time to the first token (TTFT) and the time per output token after it (TPOT); per level the
+output-token throughput (generated tokens / wall time) and the engine steps at each draft length K' (from
+/metrics). With ``--repeats N`` each level is
 measured N times, the modes taking turns, and the table adds the range of the N side-by-side ratios to
 plain, which shows how far a ratio is from this machine's noise. Prints a markdown table and, with
 ``--json FILE``, the raw numbers.
@@ -82,12 +83,13 @@ def start_server(flags: list[str], log: Path, timeout: float = 1800):
     raise TimeoutError(f"server not ready after {timeout} s:\n{log.read_text()}")
 
 
-def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
+def one_request(client, model: str, prompt: str, max_tokens: int, sampling: dict | None = None) -> dict:
+    """One streamed completion: greedy, or with ``sampling``'s ``temperature`` / ``top_p`` / ``seed``."""
     t0 = time.perf_counter()
     first = None
     usage = None
     for chunk in client.completions.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+        model=model, prompt=prompt, max_tokens=max_tokens, stream=True, **(sampling or {"temperature": 0})
     ):
         if first is None and chunk.choices and chunk.choices[0].text:
             first = time.perf_counter()
@@ -99,9 +101,12 @@ def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
     return {"ttft": first - t0, "tpot": (end - first) / (n - 1) if n > 1 else float("nan"), "tokens": n, "end": end}
 
 
-def run_level(base: str, model: str, concurrency: int, rounds: int, max_tokens: int) -> dict:
-    """``rounds`` x ``concurrency`` streamed greedy completions from ``concurrency`` client threads: each
-    request's TTFT, TPOT and tokens, and the wall time."""
+def run_level(
+    base: str, model: str, concurrency: int, rounds: int, max_tokens: int, temperature: float = 0.0, top_p=1.0
+) -> dict:
+    """``rounds`` x ``concurrency`` streamed completions from ``concurrency`` client threads (greedy at
+    ``temperature`` 0; else sampled, each request with its own seed): each request's TTFT, TPOT and
+    tokens, and the wall time."""
     from openai import OpenAI
 
     client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=3600)
@@ -113,8 +118,9 @@ def run_level(base: str, model: str, concurrency: int, rounds: int, max_tokens: 
     def worker(i):
         for r in range(rounds):
             prompt = f"{PROMPTS[(i + r) % len(PROMPTS)]} (#{i}.{r})"
+            sampling = {"temperature": temperature, "top_p": top_p, "seed": 1000 * i + r} if temperature else None
             try:
-                out = one_request(client, model, prompt, max_tokens)
+                out = one_request(client, model, prompt, max_tokens, sampling)
             except Exception as err:  # reported below: a failed request makes the level meaningless
                 with lock:
                     errors.append(f"{type(err).__name__}: {err}")
@@ -227,6 +233,13 @@ def main(argv=None) -> int:
         "of the per-repeat ratios to plain",
     )
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default 48)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature of every request (default 0: greedy); each request gets its own seed",
+    )
+    p.add_argument("--top-p", type=float, default=1.0, help="top_p of every request (default 1: off)")
     p.add_argument("--max-seq-len", type=int, default=256, help="server --max-seq-len (default 256)")
     p.add_argument("--platform", help="server --platform (default: the server's, cpu)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="server --dtype (default: the server's, float32)")
@@ -234,6 +247,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from peagle_jax.drafter.shipped import resolve_drafter
     from peagle_jax.errors import UserError
+    from peagle_jax.sampling import check_sampling_args
     from peagle_jax.verify import parse_tree
 
     try:
@@ -243,6 +257,7 @@ def main(argv=None) -> int:
                 raise UserError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
         if args.tree:
             parse_tree(args.tree)
+        check_sampling_args(args.temperature, 0, args.top_p)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -330,7 +345,9 @@ def run_modes(modes: dict[str, list[str]], levels: list[int], model: str, args) 
                 order = list(servers.items())
                 order = order[rep % len(order) :] + order[: rep % len(order)]
                 for name, (_, base) in order:
-                    runs[name].append(run_level(base, model, c, args.rounds, args.max_tokens))
+                    runs[name].append(
+                        run_level(base, model, c, args.rounds, args.max_tokens, args.temperature, args.top_p)
+                    )
                     tok_s = _throughput(runs[name][-1])
                     print(f"{name} c={c} [{rep + 1}/{args.repeats}]: {tok_s:.1f} tok/s", file=sys.stderr, flush=True)
             for name, (_, base) in servers.items():

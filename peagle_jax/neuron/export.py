@@ -31,6 +31,7 @@ from jax import export
 
 from peagle_jax.neuron.graphs import Graph
 from peagle_jax.neuron.lint import Finding, lint_stablehlo
+from peagle_jax.platform import static_graphs
 
 PLATFORMS = ("neuron", "tpu")
 NEURON_TARGETS = ("trn1", "inf2", "trn2")
@@ -60,8 +61,11 @@ def register_serialization() -> None:
 
 
 def export_graph(graph: Graph, platform: str) -> export.Exported:
+    """``graph`` lowered for ``platform``, traced branch-free (:func:`peagle_jax.platform.static_graphs`)
+    for every platform: the lint holds the TPU export to Neuron's rules too."""
     register_serialization()
-    return export.export(graph.fn, platforms=[platform])(*graph.args, **graph.static)
+    with static_graphs():
+        return export.export(graph.fn, platforms=[platform])(*graph.args, **graph.static)
 
 
 def hlo_proto(mlir_text: str) -> bytes:
@@ -108,32 +112,36 @@ def export_all(
     findings: dict[str, dict[str, list[Finding]]] = {}
     manifest = []
     commands = []
-    for graph in graphs:
-        findings[graph.name] = {}
-        entry = {
-            "name": graph.name,
-            "function": f"{graph.fn.__module__}.{getattr(graph.fn, '__name__', graph.fn)}",
-            "inputs": [_describe(x) for x in jax.tree.leaves(graph.args, is_leaf=lambda x: x is None)][:12],
-            "static": {k: v if isinstance(v, int | bool | None) else type(v).__name__ for k, v in graph.static.items()},
-            "lint": {},
-        }
-        for platform in platforms:
-            exported = export_graph(graph, platform)
-            text = exported.mlir_module()
-            found = lint_stablehlo(text)
-            findings[graph.name][platform] = found
-            entry["lint"][platform] = [str(f) for f in found]
-            if write:
-                d = out / platform
-                d.mkdir(parents=True, exist_ok=True)
-                (d / f"{graph.name}.mlir").write_text(text)
-                (d / f"{graph.name}.exported").write_bytes(exported.serialize())
-                (d / f"{graph.name}.hlo.pb").write_bytes(hlo_proto(text))
-                if platform == "neuron":
-                    commands += [neuronx_cc_command(f"{graph.name}.hlo.pb", t) for t in NEURON_TARGETS]
-        manifest.append(entry)
-        if progress is not None:
-            progress(graph.name)
+    # One branch-free tracing context around the loop (entering it clears JAX's caches).
+    with static_graphs():
+        for graph in graphs:
+            findings[graph.name] = {}
+            entry = {
+                "name": graph.name,
+                "function": f"{graph.fn.__module__}.{getattr(graph.fn, '__name__', graph.fn)}",
+                "inputs": [_describe(x) for x in jax.tree.leaves(graph.args, is_leaf=lambda x: x is None)][:12],
+                "static": {
+                    k: v if isinstance(v, int | bool | None) else type(v).__name__ for k, v in graph.static.items()
+                },
+                "lint": {},
+            }
+            for platform in platforms:
+                exported = export_graph(graph, platform)
+                text = exported.mlir_module()
+                found = lint_stablehlo(text)
+                findings[graph.name][platform] = found
+                entry["lint"][platform] = [str(f) for f in found]
+                if write:
+                    d = out / platform
+                    d.mkdir(parents=True, exist_ok=True)
+                    (d / f"{graph.name}.mlir").write_text(text)
+                    (d / f"{graph.name}.exported").write_bytes(exported.serialize())
+                    (d / f"{graph.name}.hlo.pb").write_bytes(hlo_proto(text))
+                    if platform == "neuron":
+                        commands += [neuronx_cc_command(f"{graph.name}.hlo.pb", t) for t in NEURON_TARGETS]
+            manifest.append(entry)
+            if progress is not None:
+                progress(graph.name)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "manifest.json").write_text(json.dumps({"graphs": manifest}, indent=1) + "\n")
