@@ -82,35 +82,38 @@ def processed_logits(logits_BV, params: SamplingParams):
     """Logits after temperature, top-k and top-p, with removed tokens at -inf (rows with temperature 0 are
     left at temperature 1; :func:`sample` treats them greedily).
 
-    Where a graph may branch (:func:`peagle_jax.platform.branching_allowed`: not on Neuron), a batch in
-    which no row filters (every top_k 0 and top_p 1, the OpenAI defaults) skips the two threshold searches,
-    64 passes over the vocabulary (about 1.4 ms per row of 49152 logits on a 2-core CPU). It gets the same
-    logits: with neither filter the searches keep every token. The filters' definitions: :func:`_filtered`.
-    """
-    if not branching_allowed():
-        return _filtered(logits_BV, params)
-    filters = jnp.any((params.top_k > 0) | (params.top_p < 1.0))
-    return jax.lax.cond(filters, _filtered, _scaled, logits_BV, params)
-
-
-def _filtered(logits_BV, params: SamplingParams):
-    """:func:`processed_logits` without the shortcut.
-
     Definitions (on the temperature-scaled logits, ties included): top-k keeps every token whose logit is
     >= the k-th largest logit; top-p then keeps, in descending order, each token whose preceding mass is
     below ``top_p`` (the first always), the mass being softmax over exactly the k top-ranked tokens; a row
     keeps every token at or above both thresholds. ``top_p >= 1`` keeps everything top-k kept.
 
     No sort (Neuron cannot sort a 49152-wide vocabulary): both thresholds are found by a bitwise search over
-    order-preserving integer keys of the logits. The k-th largest logit is the largest key with at least k
+    order-preserving integer keys of the logits (:func:`_cut_keys`). Where a graph may branch
+    (:func:`peagle_jax.platform.branching_allowed`: not on Neuron), a batch in which no row filters (every
+    top_k 0 and top_p 1, the OpenAI defaults) skips the searches, 64 passes over the vocabulary (about
+    1.2 ms per row of 49152 logits on a 2-core CPU). It keeps the same tokens: with neither filter the
+    searches end at the row's smallest key, and every key is >= 0. The branch returns only the cut-off
+    keys, so the filter itself stays fused with what reads it (the draw).
+    """
+    scaled_BV = _scaled(logits_BV, params)
+    keys_BV = _order_keys(scaled_BV)
+    if branching_allowed():
+        filters = jnp.any((params.top_k > 0) | (params.top_p < 1.0))
+        keep_all = lambda *_: jnp.zeros(keys_BV.shape[:1], jnp.uint32)  # noqa: E731
+        cut_key_B = jax.lax.cond(filters, _cut_keys, keep_all, scaled_BV, keys_BV, params)
+    else:
+        cut_key_B = _cut_keys(scaled_BV, keys_BV, params)
+    return jnp.where(keys_BV >= cut_key_B[:, None], scaled_BV, -jnp.inf)
+
+
+def _cut_keys(scaled_BV, keys_BV, params: SamplingParams):
+    """Per row, the smallest key :func:`processed_logits` keeps (``keys_BV``: :func:`_order_keys` of the
+    temperature-scaled logits ``scaled_BV``). The k-th largest logit is the largest key with at least k
     tokens at or above it. The top-p cut-off is the largest key whose mass at or above it reaches
     ``top_p``: the tokens strictly above it have mass below ``top_p`` and every smaller kept value would
     need more. Both land exactly on a logit value, so the filter is the sorted definition's, up to the
-    rounding of the mass sums at a boundary.
-    """
-    B, V = logits_BV.shape
-    scaled_BV = _scaled(logits_BV, params)
-    keys_BV = _order_keys(scaled_BV)
+    rounding of the mass sums at a boundary."""
+    B, V = keys_BV.shape
     k_B = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, V), V).astype(jnp.int32)
     kth_key_B = _largest_key_where(lambda u_B1: jnp.sum((keys_BV >= u_B1).astype(jnp.int32), axis=-1) >= k_B, B)
     at_or_above_kth_BV = keys_BV >= kth_key_B[:, None]
@@ -127,8 +130,7 @@ def _filtered(logits_BV, params: SamplingParams):
     cut_key_B = _largest_key_where(
         lambda u_B1: jnp.sum(jnp.where(keys_BV >= u_B1, probs_BV, 0.0), axis=-1) >= top_p_B, B
     )
-    cut_key_B = jnp.where(top_p_B >= 1.0, kth_key_B, jnp.maximum(cut_key_B, kth_key_B))
-    return jnp.where(keys_BV >= cut_key_B[:, None], scaled_BV, -jnp.inf)
+    return jnp.where(top_p_B >= 1.0, kth_key_B, jnp.maximum(cut_key_B, kth_key_B))
 
 
 def _mix32(x):
