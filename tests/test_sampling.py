@@ -1,4 +1,5 @@
-"""The sampler's filters, checked against their definitions, and its draws by distribution."""
+"""The sampler's filters, checked against their definitions, its draws by distribution, and its no-filter
+shortcut (with ``python -m peagle_jax.bench.sampling``)."""
 
 from __future__ import annotations
 
@@ -173,3 +174,25 @@ def test_the_no_filter_shortcut_changes_no_logit(top_k, top_p):
         temp = np.where(np.asarray(temperature) > 0, temperature, 1.0)[:, None]
         np.testing.assert_array_equal(np.isfinite(got), np.isfinite(np.asarray(logits)))
         np.testing.assert_allclose(got, np.asarray(logits) / temp, rtol=1e-6)  # XLA divides within 1 ulp
+
+
+def test_bench_sampling_times_both_samplers(tmp_path, capsys):
+    """``python -m peagle_jax.bench.sampling`` on a small vocabulary: each row count and top_p timed with
+    and without the shortcut; bad flags are one error line."""
+    import json
+
+    from peagle_jax.bench import sampling as bench_sampling
+
+    out = tmp_path / "sampling.json"
+    argv = ["--rows", "1,3", "--vocab", "500", "--top-p", "1,0.5", "--rounds", "2", "--json", str(out)]
+    assert bench_sampling.main(argv) == 0
+    table = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert [(r["rows"], r["top_p"]) for r in result["results"]] == [(1, 1.0), (1, 0.5), (3, 1.0), (3, 0.5)]
+    for r in result["results"]:
+        assert set(r["ms"]) == {"branch-free", "branching"} and min(r["ms"].values()) > 0
+        assert r["ratio"] == pytest.approx(r["ms"]["branching"] / r["ms"]["branch-free"])
+    assert "| rows | top_p | branch-free | branching |" in table and "| 3 | 0.5 |" in table
+    for bad in (["--rows", "0"], ["--top-p", "1.5"], ["--rows", "a"]):
+        assert bench_sampling.main(bad) == 2
+        assert capsys.readouterr().err.startswith("error: ")
