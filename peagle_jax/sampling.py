@@ -72,12 +72,6 @@ def _largest_key_where(holds, batch: int):
     return jax.lax.fori_loop(0, 32, step, jnp.zeros((batch,), jnp.uint32))
 
 
-def _scaled(logits_BV, params: SamplingParams):
-    """Float32 logits over the row's temperature (rows with temperature 0: over 1)."""
-    temp_B1 = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
-    return logits_BV.astype(jnp.float32) / temp_B1
-
-
 def processed_logits(logits_BV, params: SamplingParams):
     """Logits after temperature, top-k and top-p, with removed tokens at -inf (rows with temperature 0 are
     left at temperature 1; :func:`sample` treats them greedily).
@@ -91,11 +85,12 @@ def processed_logits(logits_BV, params: SamplingParams):
     order-preserving integer keys of the logits (:func:`_cut_keys`). Where a graph may branch
     (:func:`peagle_jax.platform.branching_allowed`: not on Neuron), a batch in which no row filters (every
     top_k 0 and top_p 1, the OpenAI defaults) skips the searches, 64 passes over the vocabulary (about
-    1.2 ms per row of 49152 logits on a 2-core CPU). It keeps the same tokens: with neither filter the
-    searches end at the row's smallest key, and every key is >= 0. The branch returns only the cut-off
-    keys, so the filter itself stays fused with what reads it (the draw).
+    1.4 ms per row of 49152 logits on a 2-core CPU: ``python -m peagle_jax.bench.sampling``). It keeps the
+    same tokens: with neither filter the searches end at the row's smallest key, and every key is >= 0. The
+    branch returns only the cut-off keys, so the filter itself stays fused with what reads it (the draw).
     """
-    scaled_BV = _scaled(logits_BV, params)
+    temp_B1 = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
+    scaled_BV = logits_BV.astype(jnp.float32) / temp_B1
     keys_BV = _order_keys(scaled_BV)
     if branching_allowed():
         filters = jnp.any((params.top_k > 0) | (params.top_p < 1.0))

@@ -11,6 +11,7 @@ FILE`` writes it too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -32,11 +33,8 @@ def compiled(rows: int, vocab: int, top_p: float, static: bool):
         jnp.arange(rows, dtype=jnp.uint32),
         jnp.zeros(rows, jnp.int32),
     )
-    fn = jax.jit(sample)
-    if static:
-        with static_graphs():
-            return fn.lower(*args).compile(), args
-    return fn.lower(*args).compile(), args
+    with static_graphs() if static else contextlib.nullcontext():
+        return jax.jit(sample).lower(*args).compile(), args
 
 
 def measure(rows: int, vocab: int, top_p: float, rounds: int) -> dict[str, float]:

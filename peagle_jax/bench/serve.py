@@ -10,10 +10,9 @@ each mode in turn runs ``--rounds`` x c streamed completions (greedy, or sampled
 c client threads (each client sends its next request when the previous one ends). Per request it records
 the time to the first token (TTFT) and the time per output token after it (TPOT); per level the
 output-token throughput (generated tokens / wall time) and the engine steps at each draft length K' (from
-/metrics). With ``--repeats N`` each level is
-measured N times, the modes taking turns, and the table adds the range of the N side-by-side ratios to
-plain, which shows how far a ratio is from this machine's noise. Prints a markdown table and, with
-``--json FILE``, the raw numbers.
+/metrics). With ``--repeats N`` each level is measured N times, the modes taking turns, and the table adds
+the range of the N side-by-side ratios to plain, which shows how far a ratio is from this machine's noise.
+Prints a markdown table and, with ``--json FILE``, the raw numbers.
 
 A random drafter accepts almost nothing, so its numbers show the cost of speculation without its gain:
 they are a floor, not what a trained drafter reaches. The acceptance length each speculative server
