@@ -26,6 +26,15 @@ from peagle_jax.sampling import SamplingParams, sample
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 WINDOW_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+# Slots a one-row fp32 cache has past the top window bucket, never attended to. A decode step whose window
+# is every slot of a one-row fp32 cache made XLA's CPU compiler fuse the cache write into the attention's
+# operand (the reshape that drops the row axis), compute the write twice and copy each layer's K and V cache
+# four times: a SmolLM2 decode step at 2064 slots took 101-104 ms, 47-48 ms with the window a slice of a
+# longer cache (37 ms at the 1024 window). Where that does not happen the slice only costs: a step over
+# 8 rows (120 ms whole, 146 ms as a slice), a bf16 cache (stored as integer bits: 37 ms whole, 40 ms as a
+# slice), a tree verify step (73 ms whole, 81 ms as a slice). So only one-row fp32 caches on the CPU
+# backend get the pad.
+ONE_ROW_PAD = 8
 
 
 class RequestError(UserError):
@@ -129,11 +138,17 @@ class Generator:
         """The attention window bucket covering ``context`` slots."""
         return bucket(context, self.window_buckets)
 
+    def cache_slots(self, batch: int) -> int:
+        """Slots of a fresh cache of ``batch`` rows: :attr:`num_slots`, plus :data:`ONE_ROW_PAD` for one fp32
+        row on the CPU backend, so that even the top window is a slice of that cache (see there)."""
+        padded = batch == 1 and self.cfg.jnp_dtype == jnp.float32 and jax.default_backend() == "cpu"
+        return self.num_slots + (ONE_ROW_PAD if padded else 0)
+
     def prefill(self, prompts: Sequence[Sequence[int]], batch: int, on_chunk=None):
         """Prefill prompts (padded to ``batch`` rows) into a fresh cache; long prompts go in chunks of the
         largest bucket. ``on_chunk(out, start, T)`` sees each chunk's output (the speculative generator
         seeds its drafter from the aux hidden states). Returns (last-token logits [batch, V], cache)."""
-        cache = model.new_cache(self.cfg, batch, self.num_slots)
+        cache = model.new_cache(self.cfg, batch, self.cache_slots(batch))
         if self.mesh is not None:
             from peagle_jax.sharding import shard_cache
 

@@ -346,7 +346,7 @@ class SpeculativeGenerator(Generator):
         position: the aux half of the first draft's context element). Without ``drafter`` the drafter is
         not run (its cache is None), for a row the slot engine leaves unsynced (:attr:`SpecState.synced`)."""
         lengths = np.array([len(p) for p in prompts] + [1] * (batch - len(prompts)), np.int32)
-        dcache = new_drafter_cache(self.dcfg, batch, self.num_slots) if drafter else None
+        dcache = new_drafter_cache(self.dcfg, batch, self.cache_slots(batch)) if drafter else None
         if drafter and self.mesh is not None:
             from peagle_jax import sharding
 
@@ -676,8 +676,8 @@ class SpeculativeGenerator(Generator):
         """Empty target and drafter caches of B rows, sharded as the generator's own."""
         from peagle_jax import model
 
-        cache = model.new_cache(self.cfg, B, self.num_slots)
-        dcache = new_drafter_cache(self.dcfg, B, self.num_slots)
+        cache = model.new_cache(self.cfg, B, self.cache_slots(B))
+        dcache = new_drafter_cache(self.dcfg, B, self.cache_slots(B))
         if self.mesh is not None:
             from peagle_jax import sharding
 

@@ -112,3 +112,38 @@ def test_bad_requests_are_refused(params, prompts, kwargs, message):
     gen = Generator(CFG, params, max_seq_len=64)
     with pytest.raises(RequestError, match=message):
         gen.generate(prompts, **kwargs)
+
+
+def test_a_one_row_cache_is_attended_whole_without_copies(params):
+    """A decode step whose window is every slot of a one-row fp32 cache made XLA's CPU compiler copy each
+    layer's K and V cache (engine.ONE_ROW_PAD). The generator's one-row fp32 caches have the pad, so the top
+    window is a slice of them, and the compiled step copies no cache array; bf16 ones do not need it."""
+    import re
+
+    gen = Generator(CFG, params, max_seq_len=40)
+    W = gen.window_buckets[-1]
+    assert W == gen.num_slots and gen.cache_slots(2) == gen.num_slots
+
+    def ops_on_the_cache(slots):
+        text = (
+            engine.decode_step.lower(
+                params,
+                M.new_cache(CFG, 1, slots),
+                jnp.zeros(1, jnp.int32),
+                jnp.full(1, 5, jnp.int32),
+                jnp.zeros(1, jnp.uint32),
+                engine.SamplingParams.make(1),
+                cfg=CFG,
+                greedy_only=True,
+                window=W,
+            )
+            .compile()
+            .as_text()
+        )
+        shape = rf"\[1,{CFG.num_kv_heads},{slots},{CFG.head_dim}\]"
+        return re.findall(rf"= \w+{shape}\S* (\S+)\(", text)
+
+    assert Generator(CFG.replace(dtype="bfloat16"), None, max_seq_len=40).cache_slots(1) == gen.num_slots
+    assert "copy" in ops_on_the_cache(gen.num_slots)  # what the pad avoids
+    assert gen.cache_slots(1) == gen.num_slots + engine.ONE_ROW_PAD
+    assert "copy" not in ops_on_the_cache(gen.cache_slots(1))

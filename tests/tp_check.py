@@ -18,6 +18,7 @@ from peagle_jax.drafter.model import init_drafter_params
 from peagle_jax.engine import Generator, decode_step
 from peagle_jax.neuron.graphs import random_drafter_config
 from peagle_jax.neuron.lint import lint_stablehlo
+from peagle_jax.platform import static_graphs
 from peagle_jax.sampling import SamplingParams
 from peagle_jax.sharding import CACHE_SPEC, make_mesh, param_shardings
 from peagle_jax.speculative import SpeculativeGenerator
@@ -62,9 +63,18 @@ def export_sharded(mesh) -> dict:
         jax.ShapeDtypeStruct((2,), "float32", sharding=rep),
     )
     seeds = jax.ShapeDtypeStruct((2,), "uint32", sharding=rep)
-    exported = export.export(decode_step, platforms=["neuron"])(
-        params, cache, ints, ints, seeds, SamplingParams(floats, ints, floats), cfg=CFG, greedy_only=False, window=64
-    )
+    with static_graphs():  # traced branch-free, as peagle_jax.neuron.export traces every graph
+        exported = export.export(decode_step, platforms=["neuron"])(
+            params,
+            cache,
+            ints,
+            ints,
+            seeds,
+            SamplingParams(floats, ints, floats),
+            cfg=CFG,
+            greedy_only=False,
+            window=64,
+        )
     return {"devices": exported.nr_devices, "findings": [str(f) for f in lint_stablehlo(exported.mlir_module())]}
 
 

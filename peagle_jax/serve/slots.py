@@ -115,8 +115,15 @@ class _Launched:
 
 @functools.partial(jax.jit, donate_argnames=("big",))
 def put_row(big, row, b):
-    """Copy a 1-row pytree ``row`` into row ``b`` (an int32 scalar) of the B-row pytree ``big``."""
-    return jax.tree.map(lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y.astype(x.dtype), b, axis=0), big, row)
+    """Copy a 1-row pytree ``row`` into row ``b`` (an int32 scalar) of the B-row pytree ``big``. A row longer
+    than ``big``'s on another axis is cut to it: a one-row cache has :data:`peagle_jax.engine.ONE_ROW_PAD`
+    slots more, never written."""
+
+    def put(x, y):
+        y = y[(slice(None), *(slice(0, n) for n in x.shape[1:]))]
+        return jax.lax.dynamic_update_slice_in_dim(x, y.astype(x.dtype), b, axis=0)
+
+    return jax.tree.map(put, big, row)
 
 
 class SlotEngine:
@@ -204,9 +211,9 @@ class SlotEngine:
     def reset(self) -> None:
         """Fresh caches and an all-free per-slot state (also after a failed step)."""
         gen, B = self.gen, self.B
-        self.cache = model.new_cache(gen.cfg, B, gen.num_slots)
+        self.cache = model.new_cache(gen.cfg, B, gen.cache_slots(B))
         if self.speculative:
-            self.dcache = new_drafter_cache(gen.dcfg, B, gen.num_slots)
+            self.dcache = new_drafter_cache(gen.dcfg, B, gen.cache_slots(B))
             X = len(gen.cfg.aux_layer_ids) * gen.cfg.hidden_size
             self.state = SpecState.start(
                 np.zeros(B, np.int32), jnp.zeros((B, X), gen.cfg.jnp_dtype), np.ones(B, np.int32), gen.Q
