@@ -21,7 +21,7 @@ import numpy as np
 from peagle_jax import model
 from peagle_jax.config import ModelConfig
 from peagle_jax.errors import UserError
-from peagle_jax.sampling import SamplingParams, sample
+from peagle_jax.sampling import SamplingParams, greedy_graph, sample
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -195,7 +195,7 @@ class Generator:
         sampling = SamplingParams.make(
             B, per_row(temperature, np.float32), per_row(top_k, np.int32), per_row(top_p, np.float32)
         )
-        greedy_only = not bool(np.any(np.asarray(sampling.temperature) > 0))
+        greedy_only = greedy_graph(sampling.temperature)
         return n, B, stops, sampling, greedy_only, jnp.asarray(per_row(seed, np.uint32))
 
     @staticmethod
@@ -214,6 +214,7 @@ class Generator:
         prefill buckets of the prompt and a decode step for each attention window its context crosses.
         Returns the seconds spent."""
         t0 = time.perf_counter()
+        greedy_only = greedy_graph(0.0 if greedy_only else 1.0)  # the graphs such requests call
         B = bucket(batch, self.batch_buckets)
         logits, cache = self.prefill([[0] * prompt_len] * B, B)
         sampling = SamplingParams.make(B)

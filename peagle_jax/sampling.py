@@ -148,13 +148,42 @@ def uniforms(seeds_B, positions_B, n: int, stream: int = 0):
     return ((bits_BN >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
 
 
+def greedy_graph(temperature) -> bool:
+    """The static ``greedy_only`` flag for a batch with these per-row temperatures (host values): whether
+    to compile its greedy-only graph. Only where graphs cannot branch (Neuron, :func:`static_graphs
+    <peagle_jax.platform.static_graphs>`) and every row is greedy: elsewhere the sampling graph itself
+    branches to the greedy path when no row samples (:func:`greedy_or_sampled`), so one graph serves both and
+    a server compiles half the graphs (each compiled kernel costs the process memory mappings on XLA's CPU
+    backend: :class:`peagle_jax.platform.MapBudget`)."""
+    return not branching_allowed() and not bool(np.any(np.asarray(temperature) > 0))
+
+
+def greedy_modes() -> tuple[bool, ...]:
+    """The ``greedy_only`` values whose graphs a warm-up compiles (:func:`greedy_graph`): both where graphs
+    cannot branch, else the sampling graph alone."""
+    return (True, False) if not branching_allowed() else (False,)
+
+
+def greedy_or_sampled(greedy, sampled, temperature_B):
+    """``sampled()`` (which keeps the greedy choice of its rows with temperature 0), or ``greedy`` where no
+    row samples and the graph may branch (:func:`peagle_jax.platform.branching_allowed`): the same values,
+    without the filters and the draw."""
+    if not branching_allowed():
+        return sampled()
+    return jax.lax.cond(jnp.any(temperature_B > 0), sampled, lambda: greedy)
+
+
 def sample(logits_BV, params: SamplingParams, seeds_B, positions_B, *, greedy_only: bool = False):
     """One token per row, int32 [B], for the token at ``positions_B``. ``greedy_only`` (static) skips the
-    filters when every row is greedy. The draw is Gumbel-max over the filtered logits."""
+    filters (every row greedy; :func:`greedy_graph`). The draw is Gumbel-max over the filtered logits."""
     greedy_B = argmax_first(logits_BV, axis=-1)
     if greedy_only:
         return greedy_B
-    filtered_BV = processed_logits(logits_BV, params)
-    gumbel_BV = -jnp.log(-jnp.log(uniforms(seeds_B, positions_B, logits_BV.shape[-1])))
-    sampled_B = argmax_first(filtered_BV + gumbel_BV, axis=-1)
-    return jnp.where(params.temperature > 0, sampled_B, greedy_B)
+
+    def sampled():
+        filtered_BV = processed_logits(logits_BV, params)
+        gumbel_BV = -jnp.log(-jnp.log(uniforms(seeds_B, positions_B, logits_BV.shape[-1])))
+        sampled_B = argmax_first(filtered_BV + gumbel_BV, axis=-1)
+        return jnp.where(params.temperature > 0, sampled_B, greedy_B)
+
+    return greedy_or_sampled(greedy_B, sampled, params.temperature)

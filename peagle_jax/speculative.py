@@ -32,6 +32,7 @@ from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.draft import drafter_prefill, fused_mask_hidden, parallel_draft, sequential_draft
 from peagle_jax.drafter.model import new_drafter_cache
 from peagle_jax.engine import Generator, RequestError, sample_jit
+from peagle_jax.sampling import SamplingParams, greedy_graph
 from peagle_jax.verify import Tree, chain, verify
 
 
@@ -651,7 +652,6 @@ class SpeculativeGenerator(Generator):
         request does not pay for measuring the slower ones. Step times are refined by every step served; the
         acceptance is learnt from real text only."""
         from peagle_jax.engine import bucket
-        from peagle_jax.sampling import SamplingParams
 
         policy = adaptive_policy(self.tree)
         B = bucket(batch, self.batch_buckets)
@@ -665,7 +665,7 @@ class SpeculativeGenerator(Generator):
             state = SpecState.start(np.zeros(B, np.int32), jnp.zeros((B, X), self.cfg.jnp_dtype), q, self.Q)
             t0 = time.perf_counter()
             _, _, _, cache, dcache = self.run_step(
-                cache, dcache, state, seeds, sampling, greedy_only=True, live=live, tree=self.choices[k]
+                cache, dcache, state, seeds, sampling, greedy_only=greedy_graph(0.0), live=live, tree=self.choices[k]
             )
             return time.perf_counter() - t0
 
@@ -691,7 +691,6 @@ class SpeculativeGenerator(Generator):
         every step length (its draft and verify or fused graphs, the plain step and the context flush).
         Outputs are discarded."""
         from peagle_jax.engine import bucket
-        from peagle_jax.sampling import SamplingParams
 
         B, K, Q = bucket(batch, self.batch_buckets), self.K, self.Q
         positions = range(prompt_len - 1, prompt_len + max_new_tokens + 1)
@@ -701,6 +700,7 @@ class SpeculativeGenerator(Generator):
         tokens, count = np.zeros((B, K + 1), np.int32), np.ones(B, np.int32)
         aux = jnp.zeros((B, Q, X), self.cfg.jnp_dtype)  # the whole queue, as step() passes it
         sampling = SamplingParams.make(B, 0.0 if greedy_only else 1.0)
+        greedy_only = greedy_graph(sampling.temperature)  # the graphs such requests call
         seeds, root, live = jnp.zeros(B, jnp.uint32), jnp.zeros(B, jnp.int32), jnp.ones(B, bool)
         trees = [t for t in self.choices.values() if t.depth] if self.policy is not None else [self.tree]
         out = None

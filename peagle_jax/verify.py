@@ -33,7 +33,7 @@ from peagle_jax import model
 from peagle_jax.config import ModelConfig
 from peagle_jax.errors import UserError
 from peagle_jax.ops import argmax_first
-from peagle_jax.sampling import SamplingParams, processed_logits, uniforms
+from peagle_jax.sampling import SamplingParams, greedy_or_sampled, processed_logits, uniforms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,11 +145,15 @@ def _node_choices(logits_BTV, sampling, seeds_B, positions_BT, greedy_only):
     if greedy_only:
         return greedy_BT
     B, T, V = logits_BTV.shape
-    flat = SamplingParams(*(jnp.repeat(x, T) for x in sampling))
-    filtered = processed_logits(logits_BTV.reshape(B * T, V), flat)
-    u = uniforms(jnp.repeat(seeds_B, T), positions_BT.reshape(-1), V)
-    sampled = argmax_first(filtered - jnp.log(-jnp.log(u)), axis=-1).reshape(B, T)
-    return jnp.where((sampling.temperature > 0)[:, None], sampled, greedy_BT)
+
+    def sampled():
+        flat = SamplingParams(*(jnp.repeat(x, T) for x in sampling))
+        filtered = processed_logits(logits_BTV.reshape(B * T, V), flat)
+        u = uniforms(jnp.repeat(seeds_B, T), positions_BT.reshape(-1), V)
+        drawn_BT = argmax_first(filtered - jnp.log(-jnp.log(u)), axis=-1).reshape(B, T)
+        return jnp.where((sampling.temperature > 0)[:, None], drawn_BT, greedy_BT)
+
+    return greedy_or_sampled(greedy_BT, sampled, sampling.temperature)
 
 
 def _compact(cache_BGSH, q_B, path_BK):

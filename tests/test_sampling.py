@@ -196,3 +196,35 @@ def test_bench_sampling_times_both_samplers(tmp_path, capsys):
     for bad in (["--rows", "0"], ["--top-p", "1.5"], ["--rows", "a"]):
         assert bench_sampling.main(bad) == 2
         assert capsys.readouterr().err.startswith("error: ")
+
+
+@pytest.mark.parametrize("temperature", [[0.0] * 6, [0.0, 0.7, 0.0, 1.0, 0.0, 0.0]])
+def test_one_sampling_graph_serves_greedy_batches_where_graphs_branch(temperature):
+    """On the CPU the sampling graph branches to the greedy path when no row samples, so the greedy-only
+    graph is never compiled (``greedy_graph`` is false, ``greedy_modes`` one mode); a branch-free graph
+    (Neuron) has both. Every row's token equals the branch-free sampling graph's, and an all-greedy batch
+    gets the argmax."""
+    from peagle_jax.platform import static_graphs
+    from peagle_jax.sampling import greedy_graph, greedy_modes
+    from peagle_jax.verify import _node_choices
+
+    logits = _batch_logits()
+    params = SamplingParams.make(6, temperature, 0, 1.0)
+    seeds, positions = jnp.arange(6, dtype=jnp.uint32), jnp.full(6, 9, jnp.int32)
+    assert not greedy_graph(temperature) and greedy_modes() == (False,)
+    branching = jax.jit(lambda x: sample(x, params, seeds, positions))
+    assert "stablehlo.case" in branching.lower(logits).as_text()
+    got = np.asarray(branching(logits))
+    nodes = np.asarray(jax.jit(lambda x: _node_choices(x, params, seeds, x.argmax(-1), False))(logits[:, None]))
+    with static_graphs():
+        assert greedy_graph(temperature) == (max(temperature) == 0) and greedy_modes() == (True, False)
+        static = jax.jit(lambda x: sample(x, params, seeds, positions))
+        assert "stablehlo.case" not in static.lower(logits).as_text()
+        want = np.asarray(static(logits))
+        want_nodes = np.asarray(jax.jit(lambda x: _node_choices(x, params, seeds, x.argmax(-1), False))(logits[:, None]))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(nodes, want_nodes)
+    greedy = np.asarray(argmax_first(logits, axis=-1))
+    rows = np.asarray(temperature) == 0
+    np.testing.assert_array_equal(got[rows], greedy[rows])
+    assert max(temperature) == 0 or not np.array_equal(got, greedy)  # a sampling row drew (seeded: it differs)

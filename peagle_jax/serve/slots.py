@@ -25,7 +25,8 @@ own row, so it writes only its own row and nothing reads it; admitting a request
 Sampling parameters and seeds are per-slot arrays, and a row's tokens depend only on its own prompt,
 parameters and seed (rows never attend across the batch; sampling uniforms hash the row's seed and
 position), so a request's output is the same whatever the other slots hold. The graphs compile once per
-(window bucket, all-greedy or not) and prefill bucket; :meth:`SlotEngine.warmup` compiles them all up front,
+(row bucket, window bucket, step length; all-greedy or not where graphs cannot branch: see
+:func:`peagle_jax.sampling.greedy_graph`) and prefill bucket; :meth:`SlotEngine.warmup` compiles them all up front,
 after which requests coming and going never compile.
 """
 
@@ -46,7 +47,7 @@ from peagle_jax.adaptive import CALIBRATION_STEPS, adaptive_policy
 from peagle_jax.drafter.model import new_drafter_cache
 from peagle_jax.engine import Generator, RequestError, decode_step, sample_jit
 from peagle_jax.platform import MapBudget
-from peagle_jax.sampling import SamplingParams, check_sampling_args
+from peagle_jax.sampling import SamplingParams, check_sampling_args, greedy_graph, greedy_modes
 from peagle_jax.speculative import SpecState, SpeculativeGenerator, host_copy
 from peagle_jax.verify import Tree, chain
 
@@ -294,7 +295,7 @@ class SlotEngine:
         gen, prompt = self.gen, list(req.prompt)
         sampling = SamplingParams.make(1, req.temperature, req.top_k, req.top_p)
         seed = jnp.asarray([req.seed], jnp.uint32)
-        greedy = req.temperature == 0
+        greedy = greedy_graph(req.temperature)
         if self.speculative:
             live = np.array([s is not None or i == b for i, s in enumerate(self.slots)])
             R = self.rows_for(live)
@@ -459,7 +460,7 @@ class SlotEngine:
         the tokens to feed (on the device), by default the host's."""
         gen, R = self.gen, len(live_R)
         sampling, seeds = self._sampling(R)
-        greedy_only = not bool(np.any(self.temperature[:R][live_R] > 0))
+        greedy_only = greedy_graph(self.temperature[:R][live_R])
         at = None
         if self.speculative:
             next_R, at, self.cache, self.dcache = gen._launch_plain(
@@ -510,7 +511,7 @@ class SlotEngine:
     def _speculative_step(self, live, R: int, tree: Tree, record: bool) -> list[SlotEvent]:
         """A draft -> verify step of ``tree`` over the first R rows, read at once."""
         sampling, seeds = self._sampling(R)
-        greedy_only = not bool(np.any(self.temperature[live] > 0))
+        greedy_only = greedy_graph(self.temperature[live])
         tokens, count, k, self.cache, self.dcache = self.gen.run_step(
             self.cache, self.dcache, self.state, seeds, sampling, greedy_only=greedy_only, live=live[:R], tree=tree
         )
@@ -523,7 +524,8 @@ class SlotEngine:
 
     def warmup(self, progress=None) -> float:
         """Compile every graph a request can reach: the 1-row prefill of each length bucket, the first-token
-        sampler, the slot copy, and the step graphs of every attention window, greedy and sampling.
+        sampler, the slot copy, and the step graphs of every attention window (greedy and sampling:
+        :func:`peagle_jax.sampling.greedy_modes`).
         ``progress(done, total)`` is called as it goes. Returns the seconds spent."""
         t0 = time.perf_counter()
         gen = self.gen
@@ -534,10 +536,12 @@ class SlotEngine:
         trees = [None] + [t for _, t in self.load_trees]
         if self.policy is not None:
             trees = list(gen.choices.values())
-        # Each prefill bucket once (greedy); the first-token sampler's sampling variant once (it does not
-        # depend on the prompt length).
-        admits = [(L, 0.0) for L in lengths] + [(lengths[0], 1.0)]
-        graphs = len(admits) + 2 * len(windows) * len(trees) * len(self.row_buckets)
+        # Greedy and sampling batches: one graph each where graphs cannot branch, else one for both
+        # (sampling.greedy_graph). Each prefill bucket once (greedy); where the first-token sampler has a
+        # sampling variant, it once (it does not depend on the prompt length).
+        temperatures = [0.0 if greedy else 1.0 for greedy in greedy_modes()]
+        admits = [(L, 0.0) for L in lengths] + [(lengths[0], 1.0)] * (len(temperatures) - 1)
+        graphs = len(admits) + len(temperatures) * len(windows) * len(trees) * len(self.row_buckets)
         calibration = len(self.row_buckets) * len(gen.choices) * CALIBRATION_STEPS if self.policy else 0
         total = graphs + calibration  # the calibration's timed steps compile nothing: not in the budget
         budget = MapBudget(graphs, f"{self.B} slots x {gen.max_seq_len} tokens ({self.describe()})")
@@ -558,11 +562,11 @@ class SlotEngine:
             ev = self.admit(SlotRequest([0] * L, 1, temperature=t, stop_token_ids=[]))
             assert ev.finish_reason == "length"
             advance()
-        # Step graphs: one live row placed so that the step's window is w, greedy and sampling.
+        # Step graphs: one live row placed so that the step's window is w, in each sampling mode.
         for rows in self.row_buckets:
             for tree in trees:
                 for w in windows:
-                    for t in (0.0, 1.0):
+                    for t in temperatures:
                         self._warm_step(w, t, tree, slot=rows - 1)
                         advance()
         for rows in self.row_buckets:  # the root merge of an overlapped plain step (admissions since its launch)
