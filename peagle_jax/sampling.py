@@ -161,7 +161,7 @@ def greedy_graph(temperature) -> bool:
 def greedy_modes() -> tuple[bool, ...]:
     """The ``greedy_only`` values whose graphs a warm-up compiles (:func:`greedy_graph`): both where graphs
     cannot branch, else the sampling graph alone."""
-    return (True, False) if not branching_allowed() else (False,)
+    return (True, False) if greedy_graph(0.0) else (False,)
 
 
 def greedy_or_sampled(greedy, sampled, temperature_B):

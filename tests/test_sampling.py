@@ -215,13 +215,17 @@ def test_one_sampling_graph_serves_greedy_batches_where_graphs_branch(temperatur
     branching = jax.jit(lambda x: sample(x, params, seeds, positions))
     assert "stablehlo.case" in branching.lower(logits).as_text()
     got = np.asarray(branching(logits))
-    nodes = np.asarray(jax.jit(lambda x: _node_choices(x, params, seeds, x.argmax(-1), False))(logits[:, None]))
+
+    def choices(x):  # verify's per-node tokens, one node per row
+        return np.asarray(jax.jit(lambda y: _node_choices(y, params, seeds, y.argmax(-1), False))(x[:, None]))
+
+    nodes = choices(logits)
     with static_graphs():
         assert greedy_graph(temperature) == (max(temperature) == 0) and greedy_modes() == (True, False)
         static = jax.jit(lambda x: sample(x, params, seeds, positions))
         assert "stablehlo.case" not in static.lower(logits).as_text()
         want = np.asarray(static(logits))
-        want_nodes = np.asarray(jax.jit(lambda x: _node_choices(x, params, seeds, x.argmax(-1), False))(logits[:, None]))
+        want_nodes = choices(logits)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(nodes, want_nodes)
     greedy = np.asarray(argmax_first(logits, axis=-1))
