@@ -112,7 +112,9 @@ def test_sagemaker_defaults(tmp_path, monkeypatch):
         str(shipped_drafter("smollm2-peagle")),  # the embedded target is speculated by default
     )
     assert args.adaptive_k and args.load_k == []  # the step length follows the measured throughput
-    assert args.tree is None and args.k is None  # the config's chain: the default tree's graphs pass the map limit
+    assert args.k is None and args.tree == "0,1,2,3,4,00,01"  # the shipped drafter's tree, as in generate
+    chain = cli.resolve(cli.build_parser().parse_args(["--k", "3"]))
+    assert chain.tree is None and chain.k == 3  # --k: a chain of K
     plain = cli.resolve(cli.build_parser().parse_args(["--k", "0"]))
     assert plain.drafter is None and not plain.adaptive_k
     fixed = cli.resolve(cli.build_parser().parse_args(["--load-k", "none"]))

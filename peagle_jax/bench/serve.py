@@ -208,11 +208,13 @@ def main(argv=None) -> int:
     p.add_argument(
         "--k",
         type=int,
-        help="draft tokens per step (a chain of K) in the speculative modes (default: the server's, the drafter "
-        "config's K)",
+        help="draft tokens per step (a chain of K) in the speculative modes (default: the server's: a shipped "
+        "drafter's own tree, else the drafter config's K)",
     )
     p.add_argument(
-        "--tree", help="a static draft tree for the speculative modes instead of a chain of --k, e.g. 0,1,00,10"
+        "--tree",
+        help="a static draft tree for the speculative modes instead of a chain of --k, e.g. 0,1,00,10 (default: "
+        "the server's, see --k)",
     )
     p.add_argument(
         "--load-k", default="", help="also run speculation with this --load-k policy, e.g. 4:1,12:0 (default: none)"
@@ -244,7 +246,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="server --dtype (default: the server's, float32)")
     p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args(argv)
-    from peagle_jax.drafter.shipped import resolve_drafter
+    from peagle_jax.drafter.shipped import default_tree, resolve_drafter
     from peagle_jax.errors import UserError
     from peagle_jax.sampling import check_sampling_args
     from peagle_jax.verify import parse_tree
@@ -262,6 +264,7 @@ def main(argv=None) -> int:
         return 2
 
     drafter = args.drafter or resolve_drafter(args.model, None, None)
+    args.tree = default_tree(drafter, args.k, args.tree)  # named as the server resolves it
     if drafter is None:
         import jax
 

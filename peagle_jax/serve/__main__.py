@@ -16,7 +16,7 @@ import logging
 import sys
 from pathlib import Path
 
-from peagle_jax.drafter.shipped import DEFAULT_FOR_MODEL, check_speculation_flags, resolve_drafter
+from peagle_jax.drafter.shipped import DEFAULT_FOR_MODEL, check_speculation_flags, default_tree, resolve_drafter
 from peagle_jax.errors import UserError
 
 SAGEMAKER_MODEL_DIR = Path("/opt/ml/model")
@@ -53,9 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tree",
-        help="static draft tree as comma-separated rank paths, e.g. 0,1,00,10 (default: a chain of K; unlike "
-        "generate, the server does not default to the shipped drafter's tree: with the default --max-batch and "
-        "--max-seq-len its graphs need more memory mappings than Linux allows by default)",
+        help="static draft tree as comma-separated rank paths, e.g. 0,1,00,10 (default: as in generate, the "
+        "shipped drafter's own tree without --k, e.g. 0,1,2,3,4,00,01 for smollm2-peagle; else a chain of K)",
     )
     p.add_argument("--sequential", action="store_true", help="EAGLE-3 sequential drafting instead of parallel")
     p.add_argument("--fused", action="store_true", help="draft and verify in one graph per step")
@@ -137,6 +136,7 @@ def resolve(args) -> argparse.Namespace:
     if not 0 <= args.port < 65536:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
     args.drafter = resolve_drafter(args.model, args.drafter, args.k)
+    args.tree = default_tree(args.drafter, args.k, args.tree)
     args.adaptive_k = adaptive and args.drafter is not None
     return args
 
