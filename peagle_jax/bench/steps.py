@@ -89,7 +89,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.steps", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
     p.add_argument("--drafter", help="drafter directory (default: the shipped drafter of the model)")
-    p.add_argument("--k", type=int, help="the speculative step's K (default: the drafter config's, as serve)")
+    p.add_argument(
+        "--k",
+        type=int,
+        help="the speculative step's K (default: as serve, a shipped drafter's own tree, else the drafter config's K)",
+    )
     p.add_argument("--tree", help="a static draft tree for the longest step instead of a chain of --k, e.g. 0,1,00,10")
     p.add_argument("--rows", default="1,4,16", help="busy slots, comma-separated (default 1,4,16)")
     p.add_argument("--steps", type=int, default=40, help="timed steps per mode and row count (default 40)")
@@ -153,7 +157,7 @@ def _generators(args, model_dir, load_tokenizer):
     """The plain and speculative generators and the chat prompt's ids."""
     from peagle_jax.checkpoint import load_target_any
     from peagle_jax.drafter.load import load_drafter
-    from peagle_jax.drafter.shipped import resolve_drafter
+    from peagle_jax.drafter.shipped import default_tree, resolve_drafter
     from peagle_jax.engine import Generator
     from peagle_jax.errors import UserError
     from peagle_jax.speculative import SpeculativeGenerator
@@ -170,7 +174,8 @@ def _generators(args, model_dir, load_tokenizer):
         tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     )
     plain = Generator(cfg, params, max_seq_len=args.max_seq_len)
-    tree = parse_tree(args.tree) if args.tree else None
+    spec_tree = default_tree(drafter, args.k, args.tree)
+    tree = parse_tree(spec_tree) if spec_tree else None
     spec = SpeculativeGenerator(cfg, params, dcfg, dparams, k=args.k, tree=tree, max_seq_len=args.max_seq_len)
     return plain, spec, prompt
 
