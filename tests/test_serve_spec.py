@@ -11,6 +11,7 @@ import pytest
 from serve_fixtures import ServerProcess, http, parse_metrics, write_tiny_drafter, write_tiny_model
 
 from peagle_jax.drafter.shipped import shipped_drafter
+from peagle_jax.errors import UserError
 
 MAX_SEQ = 96
 K = 3
@@ -102,6 +103,14 @@ def test_sagemaker_defaults(tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "SAGEMAKER_MODEL_DIR", tmp_path)
     args = cli.resolve(cli.build_parser().parse_args(["serve"]))
     assert (args.sagemaker, args.host, args.port) == (True, "0.0.0.0", 8080)
+    monkeypatch.setenv("SAGEMAKER_BIND_TO_PORT", "9090")  # set where SageMaker wants another port
+    assert cli.resolve(cli.build_parser().parse_args(["serve"])).port == 9090
+    assert cli.resolve(cli.build_parser().parse_args(["serve", "--port", "8081"])).port == 8081  # the flag wins
+    assert cli.resolve(cli.build_parser().parse_args([])).port == 8000  # only the SageMaker mode reads it
+    monkeypatch.setenv("SAGEMAKER_BIND_TO_PORT", "eighty")
+    with pytest.raises(UserError, match="SAGEMAKER_BIND_TO_PORT='eighty'"):
+        cli.resolve(cli.build_parser().parse_args(["serve"]))
+    monkeypatch.delenv("SAGEMAKER_BIND_TO_PORT")
     assert (args.model, args.drafter) == (str(tmp_path), str(tmp_path / "drafter"))
     args = cli.resolve(cli.build_parser().parse_args([]))
     assert (args.sagemaker, args.host, args.port, args.model, args.drafter) == (

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,9 @@ from peagle_jax.errors import UserError
 
 SAGEMAKER_MODEL_DIR = Path("/opt/ml/model")
 SAGEMAKER_PORT = 8080
+# SageMaker sets this where a container must listen elsewhere than 8080 (e.g. behind another in an
+# inference pipeline).
+SAGEMAKER_PORT_ENV = "SAGEMAKER_BIND_TO_PORT"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,7 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
         "and verify a chain of 2, with 12 decode plainly (K 0)",
     )
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; --sagemaker: 0.0.0.0)")
-    p.add_argument("--port", type=int, default=None, help="port (default 8000; --sagemaker: 8080)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="port (default 8000; --sagemaker: $SAGEMAKER_BIND_TO_PORT if set, else 8080)",
+    )
     p.add_argument("--max-batch", type=int, default=8, help="slots: requests decoded together (default 8)")
     p.add_argument(
         "--max-seq-len", type=int, default=2048, help="context per request: prompt + max_tokens (default 2048)"
@@ -122,7 +131,8 @@ def resolve(args) -> argparse.Namespace:
     args.sagemaker = sagemaker
     args.model = args.model or "smollm2"
     args.host = args.host or ("0.0.0.0" if sagemaker else "127.0.0.1")
-    args.port = args.port if args.port is not None else (SAGEMAKER_PORT if sagemaker else 8000)
+    if args.port is None:
+        args.port = sagemaker_port() if sagemaker else 8000
     flags = {"--tree": args.tree, "--sequential": args.sequential, "--fused": args.fused, "--load-k": args.load_k}
     check_speculation_flags(args.drafter or DEFAULT_FOR_MODEL.get(args.model), args.k, flags)
     args.load_k, adaptive = parse_load_k(args.load_k)
@@ -139,6 +149,16 @@ def resolve(args) -> argparse.Namespace:
     args.tree = default_tree(args.drafter, args.k, args.tree)
     args.adaptive_k = adaptive and args.drafter is not None
     return args
+
+
+def sagemaker_port() -> int:
+    """The port SageMaker expects: ``$SAGEMAKER_BIND_TO_PORT`` where it sets one, else 8080."""
+    value = os.environ.get(SAGEMAKER_PORT_ENV, "").strip()
+    if not value:
+        return SAGEMAKER_PORT
+    if not value.isdigit():
+        raise UserError(f"{SAGEMAKER_PORT_ENV}={value!r}: expected a port number")
+    return int(value)
 
 
 def parse_load_k(spec: str | None) -> tuple[list[tuple[int, int]], bool]:
