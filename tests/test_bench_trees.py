@@ -86,6 +86,32 @@ def test_greedy_growth_follows_the_ranks():
     assert grown[1] == {(1,)} and grown[2] == {(1,), (1, 0)} and grown[3] == {(1,), (1, 0), (0,)}
 
 
+def test_dynamic_trees_take_the_most_probable_paths():
+    """A confident drafter's tree goes deep, an unsure one's wide, for the same node budget."""
+    sure = np.array([[0.6, 0.25, 0.15], [0.5, 0.3, 0.2], [0.9, 0.05, 0.05]])
+    assert T.dynamic_paths(sure, 1) == {(0,)}
+    assert T.dynamic_paths(sure, 3) == {(0,), (0, 0), (0, 0, 0)}  # .6, .3, .27 before (1,) at .25
+    assert T.dynamic_paths(sure, 5) == {(0,), (0, 0), (0, 0, 0), (1,), (0, 1)}
+    unsure = np.array([[0.3, 0.3, 0.3], [0.5, 0.3, 0.2], [0.9, 0.05, 0.05]])
+    assert T.dynamic_paths(unsure, 3) == {(0,), (1,), (2,)}
+
+
+def test_dynamic_trees_accept_what_the_tree_they_choose_accepts():
+    """With the same probabilities at every root the dynamic tree is one static tree: both simulations agree,
+    root by root and over whole answers."""
+    rng = np.random.default_rng(1)
+    N, K, W = 200, 3, 4
+    ranks = rng.integers(0, W + 1, size=(N, K))
+    probs_KW = np.sort(rng.dirichlet(np.ones(8), size=K)[:, :W], axis=1)[:, ::-1]
+    probs = np.broadcast_to(probs_KW, (N, K, W))
+    for budget in (1, 3, 7):
+        paths = T.dynamic_paths(probs_KW, budget)
+        assert len(paths) == budget
+        assert T.dynamic_accepted_depths(ranks, probs, budget).tolist() == T.accepted_depths(ranks, paths, W).tolist()
+        items, kw = [(ranks, list(range(N + K)))], {"max_new_tokens": N}
+        assert T.dynamic_tokens_per_step(items, [probs], budget, **kw) == T.tokens_per_step(items, paths, W, **kw)
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [

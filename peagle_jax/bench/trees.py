@@ -12,14 +12,19 @@ answer, emits that many tokens plus the bonus token, and the next root is the la
 The search grows a tree one node at a time (a child of a tree node or of the root, rank < W, depth <= K),
 adding the node that raises the tokens per step most on the search half of the questions, and reports each
 budget's tree with its tokens per step on both halves (the held-out half is the honest number), beside the
-``--trees`` given. Which budget to serve is a question of cost: on this project's CPU a verify of 2 to 8
-tokens costs the same (see the README's weight products), so 7 nodes come at the price of 1.
+``--trees`` given. ``--dynamic`` adds, per budget, a tree chosen anew at every root: the N paths whose
+drafter probabilities multiply to the most (depths are drafted independently in P-EAGLE, so the product
+stands in for a path's probability), as EAGLE-2's dynamic trees choose: what a verify graph taking its
+tree as data would accept with that rule. Which budget to serve is a question of cost: on this project's
+CPU a verify of 2 to 8 tokens costs the same (see the README's weight products), so 7 nodes come at the
+price of 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import heapq
 import json
 import sys
 from collections.abc import Iterable, Sequence
@@ -57,11 +62,42 @@ def accepted_depths(ranks_NK: np.ndarray, paths: frozenset[RankPath], width: int
     return acc
 
 
+def dynamic_paths(probs_KW: np.ndarray, budget: int) -> frozenset[RankPath]:
+    """The ``budget`` paths (depth <= K, ranks < W) whose candidate probabilities ``probs_KW`` multiply to the
+    most (ties: the smaller rank tuple). Prefix-closed: a path never scores above its parent, and a parent
+    is chosen before its children are candidates."""
+    K, W = probs_KW.shape
+    heap = [(-float(probs_KW[0, r]), (r,)) for r in range(W)]
+    heapq.heapify(heap)
+    chosen: set[RankPath] = set()
+    while heap and len(chosen) < budget:
+        value, path = heapq.heappop(heap)
+        chosen.add(path)
+        if len(path) < K:
+            for r in range(W):
+                heapq.heappush(heap, (value * float(probs_KW[len(path), r]), (*path, r)))
+    return frozenset(chosen)
+
+
+def dynamic_accepted_depths(ranks_NK: np.ndarray, probs_NKW: np.ndarray, budget: int) -> np.ndarray:
+    """As :func:`accepted_depths`, with each root's own tree :func:`dynamic_paths` of ``budget`` nodes."""
+    out = np.zeros(len(ranks_NK), np.int64)
+    for i, (ranks, probs) in enumerate(zip(ranks_NK, probs_NKW, strict=True)):
+        paths = dynamic_paths(probs, budget)
+        while out[i] < len(ranks) and tuple(ranks[: out[i] + 1]) in paths:
+            out[i] += 1
+    return out
+
+
 def simulate(ranks_NK, answer, paths, width, *, max_new_tokens, stops=()) -> tuple[int, int, list[int]]:
     """``(target forwards, tokens emitted, accepted per depth)`` of one greedy speculative run: ``answer`` is
     the target's greedy continuation (the first token from the prefill), root i (0-based) is ``answer[i]``."""
     acc_N = accepted_depths(ranks_NK, paths, width)
-    K = ranks_NK.shape[1]
+    return run_accepted(acc_N, answer, K=ranks_NK.shape[1], max_new_tokens=max_new_tokens, stops=stops)
+
+
+def run_accepted(acc_N, answer, *, K: int, max_new_tokens, stops=()) -> tuple[int, int, list[int]]:
+    """:func:`simulate` from the drafts accepted at each root, ``acc_N``."""
     forwards, emitted, per_depth = 0, 0, [0] * K
     done, stop = 1, set(stops)
     if answer[0] in stop:
@@ -78,9 +114,10 @@ def simulate(ranks_NK, answer, paths, width, *, max_new_tokens, stops=()) -> tup
     return forwards, emitted, per_depth
 
 
-def candidate_ranks(cfg, params, dcfg, dparams, prompt, answer, *, K: int, width: int) -> np.ndarray:
+def candidate_ranks(cfg, params, dcfg, dparams, prompt, answer, *, K: int, width: int, probs: bool = False):
     """``[len(answer) - K, K]``: at root i (``answer[i]``, after ``prompt + answer[:i]``), the rank of
-    ``answer[i + d]`` among the drafter's top-``width`` candidates at depth d (``width`` if not among them)."""
+    ``answer[i + d]`` among the drafter's top-``width`` candidates at depth d (``width`` if not among them).
+    With ``probs``, also ``[len(answer) - K, K, width]``: those candidates' drafter probabilities."""
     import jax
     import jax.numpy as jnp
 
@@ -126,14 +163,17 @@ def candidate_ranks(cfg, params, dcfg, dparams, prompt, answer, *, K: int, width
     )
     embed = None if dcfg.own_embedding else params["embed_tokens"]
     logits, _ = _element_logits()(dparams, batch, embed, cfg=dcfg)
-    top = np.asarray(to_target_ids(dparams, jax.lax.top_k(logits[0], width)[1], dcfg))  # [Ep, width]
+    top_p, top_i = jax.lax.top_k(jax.nn.softmax(logits[0].astype(jnp.float32), axis=-1), width)
+    top = np.asarray(to_target_ids(dparams, top_i, dcfg))  # [Ep, width]
     out = np.full((roots, K), width, np.int64)
+    p_NKW = np.zeros((roots, K, width), np.float32)
     for d in range(K):
         rows = np.arange(roots) + (anchors[0] if d == 0 else Tp + (d - 1) * roots)
         label = np.asarray(answer[d + 1 : d + 1 + roots])  # root i's depth-(d+1) draft is answer[i + d + 1]
         hit = top[rows] == label[:, None]
         out[:, d] = np.where(hit.any(axis=1), hit.argmax(axis=1), width)
-    return out
+        p_NKW[:, d] = np.asarray(top_p)[rows]
+    return (out, p_NKW) if probs else out
 
 
 @functools.cache
@@ -148,10 +188,24 @@ def _element_logits():
 
 def tokens_per_step(items, paths, width, **kw) -> dict:
     """Acceptance over answers ``items`` (``(ranks, answer)`` pairs) of the tree ``paths``."""
+    return _pooled(simulate(ranks, answer, paths, width, **kw) for ranks, answer in items)
+
+
+def dynamic_tokens_per_step(items, probs, budget: int, **kw) -> dict:
+    """:func:`tokens_per_step` of dynamic trees of ``budget`` nodes (``probs``: each item's candidate
+    probabilities, as :func:`candidate_ranks` gives them)."""
+    runs = (
+        run_accepted(dynamic_accepted_depths(r, p, budget), answer, K=r.shape[1], **kw)
+        for (r, answer), p in zip(items, probs, strict=True)
+    )
+    return _pooled(runs)
+
+
+def _pooled(runs) -> dict:
+    """Tokens per step and accepted per depth, pooled over :func:`run_accepted` results."""
     f = e = 0
     per = None
-    for ranks, answer in items:
-        a, b, p = simulate(ranks, answer, paths, width, **kw)
+    for a, b, p in runs:
         f, e = f + a, e + b
         per = p if per is None else [x + y for x, y in zip(per, p, strict=True)]
     return {
@@ -187,6 +241,11 @@ def main(argv=None) -> int:
     p.add_argument("--width", type=int, default=8, help="candidates per depth, at most 10 (default 8)")
     p.add_argument("--budgets", default="1,3,7,15", help="tree sizes in nodes to report (default 1,3,7,15)")
     p.add_argument("--trees", default="0,1,2,00,10,20,000", help="';'-separated trees to compare with")
+    p.add_argument(
+        "--dynamic",
+        action="store_true",
+        help="also report, per budget, trees chosen anew at each root from the drafter's probabilities",
+    )
     p.add_argument("--batch", type=int, default=16, help="answers generated per call (default 16)")
     p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args(argv)
@@ -249,10 +308,11 @@ def run(args) -> dict:
     plain = Generator(cfg, params, max_seq_len=max(len(p) for p in prompts) + need + 1)
     print(f"answering {len(prompts)} questions ({need} greedy tokens each) ...", file=sys.stderr, flush=True)
     answers = generate_all(plain, prompts, batch=args.batch, max_new_tokens=need, temperature=0.0, stops=[])
-    items = []
+    items, probs = [], []
     for prompt, answer in tqdm(list(zip(prompts, answers, strict=True)), desc="ranks", unit="answer"):
-        ranks = candidate_ranks(cfg, params, dcfg, dparams, prompt, answer, K=K, width=args.width)
+        ranks, p_NKW = candidate_ranks(cfg, params, dcfg, dparams, prompt, answer, K=K, width=args.width, probs=True)
         items.append((ranks, answer))
+        probs.append(p_NKW)
     kw = {"max_new_tokens": args.max_new_tokens, "stops": stop_ids(cfg, tok)}
     search, held = items[0::2], items[1::2]  # alternate questions: MT-Bench is ordered by category
     grown = grow(search, budgets, K=K, width=args.width, **kw)
@@ -268,6 +328,19 @@ def run(args) -> dict:
                 "held_out": tokens_per_step(held, paths, args.width, **kw),
             }
         )
+    if args.dynamic:
+        for n in budgets:
+            rows.append(
+                {
+                    "tree": f"dynamic, {n} nodes",
+                    "grown": False,
+                    "dynamic": True,
+                    "spec": None,
+                    "nodes": n,
+                    "search": dynamic_tokens_per_step(search, probs[0::2], n, **kw),
+                    "held_out": dynamic_tokens_per_step(held, probs[1::2], n, **kw),
+                }
+            )
     all_ranks = np.concatenate([r[: args.max_new_tokens - 1] for r, _ in items])
     hits = [[float((all_ranks[:, d] == r).mean()) for r in range(args.width)] for d in range(K)]
     return {
@@ -292,8 +365,9 @@ def markdown(res: dict) -> str:
     for r in res["trees"]:
         per = " / ".join(f"{x:.1%}" for x in r["held_out"]["accepted_per_position"])
         given = "" if r["grown"] else " (given)"
+        name = f"{r['tree']} (per root)" if r.get("dynamic") else f"`{r['spec']}`{given}"
         lines.append(
-            f"| `{r['spec']}`{given} | {r['nodes']} | {r['search']['acceptance_length']:.3f} | "
+            f"| {name} | {r['nodes']} | {r['search']['acceptance_length']:.3f} | "
             f"{r['held_out']['acceptance_length']:.3f} | {per} |"
         )
     lines += [
