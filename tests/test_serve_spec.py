@@ -101,6 +101,7 @@ def test_sagemaker_defaults(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "drafter" / "config.json").write_text("{}")
     monkeypatch.setattr(cli, "SAGEMAKER_MODEL_DIR", tmp_path)
+    monkeypatch.delenv("SAGEMAKER_BIND_TO_PORT", raising=False)
     args = cli.resolve(cli.build_parser().parse_args(["serve"]))
     assert (args.sagemaker, args.host, args.port) == (True, "0.0.0.0", 8080)
     monkeypatch.setenv("SAGEMAKER_BIND_TO_PORT", "9090")  # set where SageMaker wants another port
@@ -110,7 +111,7 @@ def test_sagemaker_defaults(tmp_path, monkeypatch):
     monkeypatch.setenv("SAGEMAKER_BIND_TO_PORT", "eighty")
     with pytest.raises(UserError, match="SAGEMAKER_BIND_TO_PORT='eighty'"):
         cli.resolve(cli.build_parser().parse_args(["serve"]))
-    monkeypatch.delenv("SAGEMAKER_BIND_TO_PORT")
+    monkeypatch.delenv("SAGEMAKER_BIND_TO_PORT")  # the rest expects the defaults
     assert (args.model, args.drafter) == (str(tmp_path), str(tmp_path / "drafter"))
     args = cli.resolve(cli.build_parser().parse_args([]))
     assert (args.sagemaker, args.host, args.port, args.model, args.drafter) == (

@@ -163,7 +163,8 @@ def candidate_ranks(cfg, params, dcfg, dparams, prompt, answer, *, K: int, width
     )
     embed = None if dcfg.own_embedding else params["embed_tokens"]
     logits, _ = _element_logits()(dparams, batch, embed, cfg=dcfg)
-    top_p, top_i = jax.lax.top_k(jax.nn.softmax(logits[0].astype(jnp.float32), axis=-1), width)
+    top_l, top_i = jax.lax.top_k(logits[0], width)  # ranked as the draft ranks them
+    top_p = jnp.exp(top_l.astype(jnp.float32) - jax.nn.logsumexp(logits[0].astype(jnp.float32), axis=-1)[:, None])
     top = np.asarray(to_target_ids(dparams, top_i, dcfg))  # [Ep, width]
     out = np.full((roots, K), width, np.int64)
     p_NKW = np.zeros((roots, K, width), np.float32)
