@@ -9,6 +9,8 @@ A bf16 inference cache is stored as the uint16 of its bits (:func:`storage_dtype
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -34,10 +36,17 @@ class KVCache:
         """``bits``: a bf16 cache stored as its bits (inference); False for a cache that gradients flow
         through (training: an integer bitcast has no gradient)."""
         shape, store = (batch, kv_heads, slots, head_dim), storage_dtype(dtype) if bits else jnp.dtype(dtype)
-        return cls(
-            k=tuple(jnp.zeros(shape, store) for _ in range(num_layers)),
-            v=tuple(jnp.zeros(shape, store) for _ in range(num_layers)),
-        )
+        k, v = _zeros(num_layers, shape, store)
+        return cls(k=k, v=v)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _zeros(num_layers: int, shape: tuple[int, ...], dtype) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """Every layer's zero keys and values in one launch: created one by one, the 2 x L arrays of a cache
+    were as many dispatches, ~9 ms of each serving admission's ~68 ms (SmolLM2, 1 row, bf16; 1.2 ms jitted)."""
+    return tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)), tuple(
+        jnp.zeros(shape, dtype) for _ in range(num_layers)
+    )
 
 
 def write_rows(cache_BGSH, new_BTGH, start_B):

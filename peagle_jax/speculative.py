@@ -156,7 +156,7 @@ class SpecStats:
     plain_forwards: int = 0  # plain steps (no draft, see SlotEngine's adaptive K) x live rows: not in the above
     emitted: int = 0  # tokens emitted by those verify calls
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)  # drafts accepted at depth k
-    draft_s: float = 0.0  # with --fused, draft and verify are one launch, counted as verify
+    draft_s: float = 0.0  # only with time_draft; otherwise (and with --fused) counted as verify
     verify_s: float = 0.0
     host_s: float = 0.0
     steps: int = 0
@@ -316,6 +316,11 @@ class SpeculativeGenerator(Generator):
         self.embed = None if dcfg.own_embedding else params["embed_tokens"]
         self.spec = SpecStats(accepted_per_position=[0] * self.K)
         self.choices = step_trees(tree)  # the step lengths an adaptive policy chooses from: K' -> tree
+        # Whether a step waits for its draft before launching the verify, to time the two apart
+        # (SpecStats.draft_s; python -m peagle_jax.bench.spec). Otherwise the verify is launched on the
+        # draft's unread tokens, so that its launch (~1.6 ms of host time for SmolLM2's ~330 arrays) overlaps
+        # the draft instead of following it, and the draft's time is counted as verify, as with ``fused``.
+        self.time_draft = False
         self.policy = adaptive_policy(tree) if adaptive else None
 
     def _fused(self, cache, dcache, ctx, root, q, seeds, sampling, tree: Tree, window: int, greedy_only: bool):
@@ -409,13 +414,14 @@ class SpeculativeGenerator(Generator):
             t1 = t0  # one launch: its whole time is counted as verify
         else:
             draft, dcache = self._draft(dcache, ctx_tokens, ctx_aux, state.ctx_count, state.ctx_start, tree)
-            draft_tokens = jax.block_until_ready(draft.tokens)
-            t1 = time.perf_counter()
+            if self.time_draft:
+                jax.block_until_ready(draft.tokens)
+            t1 = time.perf_counter() if self.time_draft else t0
             out, cache = verify(
                 self.params,
                 cache,
                 jnp.asarray(state.root),
-                draft_tokens,
+                draft.tokens,
                 jnp.asarray(state.q),
                 seeds,
                 sampling,

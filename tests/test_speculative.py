@@ -80,11 +80,24 @@ def test_greedy_equals_plain_greedy(models, plain_greedy, k, tree, sequential, f
     launches = fused_step._cache_size()
     results = gen.generate(PROMPTS, max_new_tokens=24, stop_token_ids=[])
     assert [r.token_ids for r in results] == [r.token_ids for r in plain_greedy]
-    # --fused runs one graph per step: no separate draft launch is timed, and its graph was compiled.
-    assert (gen.spec.draft_s == 0.0) == fused
+    # The verify is launched on the draft's unread tokens (without time_draft): no draft time of its own.
+    assert gen.spec.draft_s == 0.0
     assert not fused or fused_step._cache_size() > launches
     assert gen.spec.accepted_per_position[0] > 0  # drafts were accepted: acceptance was exercised
     assert gen.spec.acceptance_length > 1.0
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_time_draft_times_the_draft_launch_apart(models, plain_greedy, fused):
+    """bench.spec's draft and verify columns: with ``time_draft`` a step waits for its draft before launching
+    the verify and times the two apart (--fused has one launch: all of it is verify); the tokens are the same."""
+    params, dparams = models
+    gen = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, fused=fused, max_seq_len=64)
+    gen.time_draft = True
+    results = gen.generate(PROMPTS, max_new_tokens=24, stop_token_ids=[])
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain_greedy]
+    assert (gen.spec.draft_s > 0.0) != fused
+    assert gen.spec.verify_s > 0.0
 
 
 def test_seeded_sampling_equals_plain_sampling_token_for_token(models):

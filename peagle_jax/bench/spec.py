@@ -63,6 +63,7 @@ def main(argv=None) -> int:
     gens = {}
     for k, fused in variants:
         gens[k, fused] = SpeculativeGenerator(cfg, params, dcfg, dparams, k=k, fused=fused, max_seq_len=512)
+        gens[k, fused].time_draft = True  # the draft and verify columns: each launch timed alone
         gens[k, fused].generate([prompt], max_new_tokens=n, stop_token_ids=[])  # compile
     plain_step, rows = [], {v: [] for v in variants}
     for _ in tqdm(range(args.rounds), desc="rounds", file=sys.stderr):
