@@ -42,8 +42,9 @@ class KVCache:
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _zeros(num_layers: int, shape: tuple[int, ...], dtype) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-    """Every layer's zero keys and values in one launch: created one by one, the 2 x L arrays of a cache
-    were as many dispatches, ~9 ms of each serving admission's ~68 ms (SmolLM2, 1 row, bf16; 1.2 ms jitted)."""
+    """Every layer's zero keys and values in one launch. Created one by one, the 2 x L arrays of a cache were as
+    many launches: 8.6 ms for a one-row SmolLM2 cache against 1.2 ms here, and a serving admission (which
+    prefills into a fresh one-row cache) took 68 ms against 48 ms (bf16)."""
     return tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)), tuple(
         jnp.zeros(shape, dtype) for _ in range(num_layers)
     )
