@@ -81,12 +81,14 @@ def dynamic_paths(probs_KW: np.ndarray, budget: int) -> frozenset[RankPath]:
 
 def dynamic_accepted_depths(ranks_NK: np.ndarray, probs_NKW: np.ndarray, budget: int) -> np.ndarray:
     """As :func:`accepted_depths`, with each root's own tree :func:`dynamic_paths` of ``budget`` nodes."""
-    out = np.zeros(len(ranks_NK), np.int64)
-    for i, (ranks, probs) in enumerate(zip(ranks_NK, probs_NKW, strict=True)):
-        paths = dynamic_paths(probs, budget)
-        while out[i] < len(ranks) and tuple(ranks[: out[i] + 1]) in paths:
-            out[i] += 1
-    return out
+    width = probs_NKW.shape[-1]
+    return np.array(
+        [
+            accepted_depths(ranks[None], dynamic_paths(probs, budget), width)[0]
+            for ranks, probs in zip(ranks_NK, probs_NKW, strict=True)
+        ],
+        np.int64,
+    )
 
 
 def simulate(ranks_NK, answer, paths, width, *, max_new_tokens, stops=()) -> tuple[int, int, list[int]]:
@@ -164,8 +166,10 @@ def candidate_ranks(cfg, params, dcfg, dparams, prompt, answer, *, K: int, width
     embed = None if dcfg.own_embedding else params["embed_tokens"]
     logits, _ = _element_logits()(dparams, batch, embed, cfg=dcfg)
     top_l, top_i = jax.lax.top_k(logits[0], width)  # ranked as the draft ranks them
-    top_p = jnp.exp(top_l.astype(jnp.float32) - jax.nn.logsumexp(logits[0].astype(jnp.float32), axis=-1)[:, None])
     top = np.asarray(to_target_ids(dparams, top_i, dcfg))  # [Ep, width]
+    if probs:  # the candidates' probabilities [Ep, width]
+        lse = jax.nn.logsumexp(logits[0].astype(jnp.float32), axis=-1)[:, None]
+        top_p = np.asarray(jnp.exp(top_l.astype(jnp.float32) - lse))
     out = np.full((roots, K), width, np.int64)
     p_NKW = np.zeros((roots, K, width), np.float32)
     for d in range(K):
@@ -173,7 +177,8 @@ def candidate_ranks(cfg, params, dcfg, dparams, prompt, answer, *, K: int, width
         label = np.asarray(answer[d + 1 : d + 1 + roots])  # root i's depth-(d+1) draft is answer[i + d + 1]
         hit = top[rows] == label[:, None]
         out[:, d] = np.where(hit.any(axis=1), hit.argmax(axis=1), width)
-        p_NKW[:, d] = np.asarray(top_p)[rows]
+        if probs:
+            p_NKW[:, d] = top_p[rows]
     return (out, p_NKW) if probs else out
 
 
