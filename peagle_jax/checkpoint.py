@@ -26,17 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from peagle_jax.config import (
-    ARCHITECTURES,
-    DTYPES,
-    FAMILIES,
-    ConfigError,
-    ModelConfig,
-    from_hf_config,
-)
 from peagle_jax.drafter.config import EAGLE_ARCHITECTURE, MASK_TOKEN_KEYS
 from peagle_jax.errors import UserError
-from peagle_jax.weights import check_params, expected_shapes, flatten, load_target
+from peagle_jax.models.config import ARCHITECTURES, DTYPES, FAMILIES, ConfigError, ModelConfig, from_hf_config
+from peagle_jax.models.weights import check_params, expected_shapes, flatten, load_target
 
 FORMAT, VERSION = "peagle_jax", 1
 META_FILE, PARAMS_DIR = "peagle_config.json", "params"
@@ -147,7 +140,7 @@ def cast_floats(params: dict, dtype: str) -> dict:
 
 
 def load_target_any(path: str | Path, *, dtype: str = "float32", aux_layer_ids=None) -> tuple[ModelConfig, dict]:
-    """(cfg, params) of a target: a Hugging Face directory (:func:`peagle_jax.weights.load_target`) or a
+    """(cfg, params) of a target: a Hugging Face directory (:func:`peagle_jax.models.weights.load_target`) or a
     converted JAX directory, params cast to ``dtype`` and placed on the default device."""
     if not is_jax_checkpoint(path):
         return load_target(path, dtype=dtype, aux_layer_ids=aux_layer_ids)

@@ -35,8 +35,8 @@ from peagle_jax.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from peagle_jax.config import read_config_json
 from peagle_jax.errors import UserError
+from peagle_jax.models.config import read_config_json
 
 LAYOUT_CHOICES = ("speculators", "eagle")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -47,10 +47,10 @@ OWN_FILES = {"config.json", META_FILE, "model.safetensors.index.json"}
 
 def read_source(src: str | Path) -> tuple[CheckpointMeta, dict]:
     """(meta, params) of a JAX checkpoint, or of a PyTorch directory as :func:`to_jax` would save it."""
-    from peagle_jax.config import from_hf_config
     from peagle_jax.drafter.load import read_torch_drafter
     from peagle_jax.drafter.weights import IGNORED, drafter_params_from_tensors
-    from peagle_jax.weights import SKIPPED, params_from_hf, read_safetensors
+    from peagle_jax.models.config import from_hf_config
+    from peagle_jax.models.weights import SKIPPED, params_from_hf, read_safetensors
 
     src = Path(src)
     if is_jax_checkpoint(src):
@@ -86,10 +86,10 @@ def _drafter_config_in(cfg, layout: str, dtypes: dict[str, str]) -> dict[str, An
 def torch_tensors(meta: CheckpointMeta, params: dict, layout: str | None = None) -> tuple[dict, dict[str, Any]]:
     """(tensors, config dict) of the PyTorch checkpoint for ``meta`` and ``params`` in ``layout`` (drafters;
     default: the source's), each tensor in the dtype the source had."""
-    from peagle_jax.config import from_hf_config
     from peagle_jax.drafter.config import drafter_config_from_dict
     from peagle_jax.drafter.weights import drafter_params_to_tensors, rename_for_layout
-    from peagle_jax.weights import check_params, expected_shapes, flatten, params_to_hf
+    from peagle_jax.models.config import from_hf_config
+    from peagle_jax.models.weights import check_params, expected_shapes, flatten, params_to_hf
 
     if meta.kind == "target":
         if layout not in (None, "hf"):
@@ -164,7 +164,7 @@ def to_torch(
     safetensors files written (several, plus an index, when they exceed ``max_shard_size``). ``dtype``
     casts the floating tensors (and declares it in config.json); ``verifier`` sets a speculators drafter's
     ``speculators_config.verifier.name_or_path``."""
-    from peagle_jax.weights import parse_size, write_safetensors
+    from peagle_jax.models.weights import parse_size, write_safetensors
 
     src, dst = Path(src), Path(dst)
     if layout is not None and layout not in LAYOUT_CHOICES:

@@ -15,12 +15,10 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 from peagle_jax.drafter.shipped import DEFAULT_FOR_MODEL, check_speculation_flags, default_tree, resolve_drafter
 from peagle_jax.errors import UserError
-
-DEFAULT_MODEL = "smollm2"
+from peagle_jax.loading import DEFAULT_MODEL, GeneratorOptions, build_generator, load_tokenizer, resolve_model_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,27 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_model_dir(model: str) -> Path:
-    """``smollm2`` -> the cached embedded default; anything else must be an existing directory."""
-    if model == DEFAULT_MODEL:
-        from peagle_jax.gguf_loader import default_model_dir
-
-        return default_model_dir()
-    path = Path(model)
-    if not path.is_dir():
-        raise FileNotFoundError(f"--model {model}: no such directory")
-    return path
-
-
-def load_tokenizer(model_dir: Path):
-    """The directory's tokenizer, or None when it has none (then only --prompt-ids works)."""
-    if not any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir))
-
-
 def encode_prompt(args, tokenizer) -> list[int]:
     if args.prompt_ids is not None:
         try:
@@ -152,32 +129,6 @@ def encode_prompt(args, tokenizer) -> list[int]:
     return tokenizer.encode(args.prompt)
 
 
-def speculative_generator(args, model_dir, mesh=None, *, adaptive: bool = False):
-    """Target + drafter, with the drafter's aux taps applied to the target; ``adaptive``: the step length
-    policy of :meth:`SpeculativeGenerator.stream` (the server's slot engine has its own)."""
-    from peagle_jax.checkpoint import load_target_any
-    from peagle_jax.drafter.load import load_drafter
-    from peagle_jax.speculative import SpeculativeGenerator
-    from peagle_jax.verify import parse_tree
-
-    dcfg, dparams = load_drafter(args.drafter, dtype=args.dtype)
-    cfg, params = load_target_any(model_dir, dtype=args.dtype, aux_layer_ids=dcfg.aux_layer_ids)
-    tree = parse_tree(args.tree) if args.tree else None
-    return SpeculativeGenerator(
-        cfg,
-        params,
-        dcfg,
-        dparams,
-        k=args.k,
-        tree=tree,
-        sequential=args.sequential,
-        fused=args.fused,
-        max_seq_len=args.max_seq_len,
-        mesh=mesh,
-        adaptive=adaptive,
-    )
-
-
 def run(args) -> dict:
     from peagle_jax.platform import default_cache_dir, select_platform
 
@@ -190,8 +141,6 @@ def run(args) -> dict:
         if args.tp < 1:
             raise UserError(f"--tp must be >= 1, got {args.tp}")
         mesh = make_mesh(args.tp, devices)
-    from peagle_jax.checkpoint import load_target_any
-    from peagle_jax.engine import Generator
     from peagle_jax.sampling import check_sampling_args
 
     check_sampling_args(args.temperature, args.top_k, args.top_p)
@@ -204,12 +153,18 @@ def run(args) -> dict:
     model_dir = resolve_model_dir(args.model)
     tokenizer = load_tokenizer(model_dir)
     prompt = encode_prompt(args, tokenizer)
-    if args.drafter is None:
-        cfg, params = load_target_any(model_dir, dtype=args.dtype)
-        gen = Generator(cfg, params, max_seq_len=args.max_seq_len, mesh=mesh)
-    else:
-        gen = speculative_generator(args, model_dir, mesh, adaptive=args.k_policy != "fixed")
-        cfg = gen.cfg
+    opts = GeneratorOptions(
+        dtype=args.dtype,
+        max_seq_len=args.max_seq_len,
+        drafter=args.drafter,
+        k=args.k,
+        tree=args.tree,
+        sequential=args.sequential,
+        fused=args.fused,
+        adaptive=args.k_policy != "fixed",
+    )
+    gen = build_generator(opts, model_dir, mesh)
+    cfg = gen.cfg
     stop_ids = set(cfg.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         stop_ids.add(tokenizer.eos_token_id)

@@ -1,6 +1,6 @@
 """Stateless numerical building blocks shared by the target model and the drafter.
 
-Shape letters: see :mod:`peagle_jax.config`. Everything here is pure and jittable; nothing branches on
+Shape letters: see :mod:`peagle_jax.models.config`. Everything here is pure and jittable; nothing branches on
 array values.
 """
 
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from peagle_jax.config import RopeConfig
+from peagle_jax.models.config import RopeConfig
 
 # Large negative logit for masked attention scores. Finite, so a row that masks everything (a padding row)
 # gives a uniform softmax instead of NaN.

@@ -23,8 +23,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from peagle_jax.cache import KVCache
 from peagle_jax.errors import UserError
+from peagle_jax.models.cache import KVCache
 
 AXIS = "tp"
 # Parameter name (the last two path components) -> which axis is split over ``tp``.

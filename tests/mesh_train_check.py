@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from peagle_jax.config import ModelConfig
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.model import init_drafter_params
+from peagle_jax.models.config import ModelConfig
 from peagle_jax.train.cod import cod_batch, max_elements
 from peagle_jax.train.config import TrainConfig
 from peagle_jax.train.loop import (

@@ -45,10 +45,10 @@ def write_tiny_drafter(path: Path, k: int = 3) -> Path:
     """A random P-EAGLE drafter for :func:`write_tiny_model` (shares its embedding, mask token 127)."""
     import jax
 
-    from peagle_jax.config import ModelConfig
     from peagle_jax.drafter.config import DrafterConfig
     from peagle_jax.drafter.load import save_drafter
     from peagle_jax.drafter.model import init_drafter_params
+    from peagle_jax.models.config import ModelConfig
 
     layer = ModelConfig(
         family="llama",

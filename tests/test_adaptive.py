@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from peagle_jax.adaptive import AdaptiveK
+from peagle_jax.spec.adaptive import AdaptiveK
 
 
 def _drive(policy, rows, step_s, accept, steps, rng):
@@ -120,10 +120,10 @@ def test_adaptive_generator_stream_equals_plain_decoding():
     import jax
     from test_serve_slots import CFG, DCFG, MAX_SEQ, _scaled
 
-    from peagle_jax import model as M
     from peagle_jax.drafter.model import init_drafter_params
-    from peagle_jax.engine import Generator
-    from peagle_jax.speculative import SpeculativeGenerator
+    from peagle_jax.engine.generator import Generator
+    from peagle_jax.models import model as M
+    from peagle_jax.spec.generator import SpeculativeGenerator
 
     params = _scaled(M.init_params(CFG, jax.random.key(1)), 30)
     dparams = _scaled(init_drafter_params(DCFG, jax.random.key(2)), 30)
@@ -159,10 +159,10 @@ def test_plain_runs_overlap_the_host_and_keep_every_token():
     import jax
     from test_serve_slots import CFG, DCFG, MAX_SEQ, _scaled
 
-    from peagle_jax import model as M
     from peagle_jax.drafter.model import init_drafter_params
-    from peagle_jax.engine import Generator
-    from peagle_jax.speculative import SpeculativeGenerator
+    from peagle_jax.engine.generator import Generator
+    from peagle_jax.models import model as M
+    from peagle_jax.spec.generator import SpeculativeGenerator
 
     params = _scaled(M.init_params(CFG, jax.random.key(1)), 30)
     dparams = _scaled(init_drafter_params(DCFG, jax.random.key(2)), 30)
@@ -305,8 +305,8 @@ def test_a_tree_keeps_its_own_acceptance():
     acceptance shared between the candidates (right for chains, whose depth d does not depend on K'), the
     chain-of-1 steps drag the tree's estimate down and the policy settles on them; a tree's own counts
     (``adaptive_policy`` of a tree: ``shared=False``) find that the tree emits the most per second."""
-    from peagle_jax.adaptive import adaptive_policy
-    from peagle_jax.verify import chain, parse_tree
+    from peagle_jax.spec.adaptive import adaptive_policy
+    from peagle_jax.spec.tree import chain, parse_tree
 
     step_s = {0: 1.0, 1: 1.15, 3: 1.25}
     rates = {1: [0.27], 3: [0.44, 0.12, 0.1]}

@@ -23,7 +23,7 @@ class _FakeGen:
         self.spec = None
 
     def generate(self, rows, **kw):
-        from peagle_jax.engine import GenerationResult
+        from peagle_jax.engine.generator import GenerationResult
 
         self.spec.target_forwards += len(rows)
         self.spec.emitted += sum(len(o) for o in self.outputs[: len(rows)])

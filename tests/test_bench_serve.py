@@ -10,7 +10,7 @@ import pytest
 from serve_fixtures import write_tiny_drafter, write_tiny_model
 
 from peagle_jax.bench import serve as bench_serve
-from peagle_jax.speculative import SpecStats
+from peagle_jax.spec.state import SpecStats
 
 
 def test_policy_step_times_round_trip_through_metrics():

@@ -8,9 +8,10 @@ import pytest
 from test_speculative import CFG, DCFG, PROMPTS, models  # noqa: F401  (a fixture)
 
 from peagle_jax.bench import trees as T
-from peagle_jax.engine import Generator
-from peagle_jax.speculative import SpecStats, SpeculativeGenerator
-from peagle_jax.verify import parse_tree
+from peagle_jax.engine.generator import Generator
+from peagle_jax.spec.generator import SpeculativeGenerator
+from peagle_jax.spec.state import SpecStats
+from peagle_jax.spec.tree import parse_tree
 
 
 def test_paths_and_specs_round_trip():
@@ -21,7 +22,7 @@ def test_paths_and_specs_round_trip():
 
 
 def test_a_tree_spells_its_own_spec():
-    from peagle_jax.verify import chain
+    from peagle_jax.spec.tree import chain
 
     for spec in ("0", "0,00,000", "0,1,00,10", "0,1,2,3,4,00,01", "0,1,2,00,10,20,000"):
         assert parse_tree(spec).spec() == spec and set(parse_tree(spec).paths()) == T.paths_of(spec)

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 from test_speculative import CFG, DCFG, PROMPTS, _scaled
 
-from peagle_jax import cache as C
-from peagle_jax import model as M
 from peagle_jax import ops
-from peagle_jax import verify as V
-from peagle_jax.engine import Generator, decode_step
+from peagle_jax.engine.generator import Generator, decode_step
+from peagle_jax.models import cache as C
+from peagle_jax.models import model as M
 from peagle_jax.sampling import SamplingParams
-from peagle_jax.speculative import SpeculativeGenerator
+from peagle_jax.spec import verify as V
+from peagle_jax.spec.generator import SpeculativeGenerator
 
 
 def _bf16(tree):

@@ -11,7 +11,7 @@ import re
 import pytest
 import transformers
 
-from peagle_jax.config import ConfigError, from_hf_config, load_hf_config, to_hf_config
+from peagle_jax.models.config import ConfigError, from_hf_config, load_hf_config, to_hf_config
 
 SMALL = dict(
     vocab_size=128,
@@ -160,7 +160,7 @@ def test_unsupported_dtype():
 
 
 def test_unknown_attribute_is_warned_about(caplog):
-    with caplog.at_level(logging.WARNING, logger="peagle_jax.config"):
+    with caplog.at_level(logging.WARNING, logger="peagle_jax.models.config"):
         from_hf_config(raw_llama(my_new_knob=3))
     assert "my_new_knob" in caplog.text
 

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from peagle_jax import model as M
-from peagle_jax.config import ModelConfig
+from peagle_jax.models import model as M
+from peagle_jax.models.config import ModelConfig
 
 CFG = ModelConfig(
     family="qwen3",

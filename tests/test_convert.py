@@ -26,7 +26,7 @@ from peagle_jax.drafter.config import DrafterConfig, drafter_config_from_dict
 from peagle_jax.drafter.load import load_drafter
 from peagle_jax.drafter.weights import drafter_params_from_tensors, drafter_params_to_tensors, with_embedding_of
 from peagle_jax.errors import UserError
-from peagle_jax.weights import WeightsError, flatten, load_target, read_safetensors
+from peagle_jax.models.weights import WeightsError, flatten, load_target, read_safetensors
 
 V, U = 128, 96  # target vocab, draft vocab
 

@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from peagle_jax.config import ModelConfig
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.draft import (
     drafter_forward,
@@ -18,6 +17,7 @@ from peagle_jax.drafter.draft import (
     to_target_ids,
 )
 from peagle_jax.drafter.model import init_drafter_params, new_drafter_cache
+from peagle_jax.models.config import ModelConfig
 
 LAYER = ModelConfig(
     family="llama",

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from peagle_jax import engine
-from peagle_jax import model as M
-from peagle_jax.config import ModelConfig
-from peagle_jax.engine import Generator, RequestError
+from peagle_jax.engine import generator as engine
+from peagle_jax.engine.generator import Generator, RequestError
+from peagle_jax.models import model as M
+from peagle_jax.models.config import ModelConfig
 
 CFG = ModelConfig(
     family="llama",

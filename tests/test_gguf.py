@@ -1,4 +1,4 @@
-"""Tests of `peagle_jax.gguf_loader`: hermetic ones on tiny GGUF files written here, and a slow one on the
+"""Tests of `peagle_jax.models.gguf`: hermetic ones on tiny GGUF files written here, and a slow one on the
 real embedded SmolLM2 against transformers' own GGUF loader."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import gguf
 import numpy as np
 import pytest
 
-from peagle_jax import gguf_loader
-from peagle_jax.gguf_loader import GGUFError, hf_name, read_gguf, unpermute_rope_rows
+from peagle_jax.models import gguf as gguf_loader
+from peagle_jax.models.gguf import GGUFError, hf_name, read_gguf, unpermute_rope_rows
 
 D, F, N, G, H, L = 32, 64, 4, 2, 8, 2  # width, MLP width, query heads, kv heads, head dim, layers
 CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -266,7 +266,7 @@ def test_conversion_does_not_need_torch(tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "n.gguf", tiny_hf_weights(7, VOCAB))
     script = (
         "import sys; sys.modules['torch'] = None\n"
-        "from peagle_jax import gguf_loader\n"
+        "from peagle_jax.models import gguf as gguf_loader\n"
         f"gguf_loader.write_hf_dir({str(path)!r}, {str(tmp_path / 'out')!r})\n"
     )
     subprocess.run([sys.executable, "-c", script], check=True, capture_output=True)

@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 from jax import export
 
-from peagle_jax import model
-from peagle_jax.config import ModelConfig, RopeConfig
-from peagle_jax.engine import decode_step
+from peagle_jax.drafter.config import random_drafter_config
+from peagle_jax.engine.generator import decode_step
 from peagle_jax.errors import UserError
+from peagle_jax.models import model
+from peagle_jax.models.config import ModelConfig, RopeConfig
 from peagle_jax.neuron.buckets import BucketsError, ServingBuckets, load_buckets
 from peagle_jax.neuron.export import NEURON_TARGETS, export_all, register_serialization
-from peagle_jax.neuron.graphs import all_graphs, random_drafter_config
+from peagle_jax.neuron.graphs import all_graphs
 from peagle_jax.neuron.lint import Finding
 from peagle_jax.sampling import SamplingParams
 
@@ -202,9 +203,9 @@ def test_cli_exports_a_tiny_hf_model_and_fails_on_findings(tmp_path, save_hf, mo
     assert not list((tmp_path / "out" / "neuron").glob("*.trn1.neff"))
 
     # A real drafter directory (speculators layout) instead of the random default.
-    from peagle_jax.config import load_hf_config
     from peagle_jax.drafter.load import save_drafter
     from peagle_jax.drafter.model import init_drafter_params
+    from peagle_jax.models.config import load_hf_config
 
     dcfg = random_drafter_config(load_hf_config(model_dir))
     save_drafter(tmp_path / "drafter", dcfg, init_drafter_params(dcfg, jax.random.key(0)))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from peagle_jax.config import ModelConfig
 from peagle_jax.errors import UserError
+from peagle_jax.models.config import ModelConfig
 from peagle_jax.neuron.plan import GIB, INSTANCES, ModelCost, model_cost, plan
 
 TINY = ModelConfig(

@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import tiny_hf_model
 
-from peagle_jax import model as M
-from peagle_jax.weights import load_target
+from peagle_jax.models import model as M
+from peagle_jax.models.weights import load_target
 
 CASES = [
     # family, seed, heads, kv_heads, tied, extra config

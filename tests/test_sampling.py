@@ -206,7 +206,7 @@ def test_one_sampling_graph_serves_greedy_batches_where_graphs_branch(temperatur
     gets the argmax."""
     from peagle_jax.platform import static_graphs
     from peagle_jax.sampling import greedy_graph, greedy_modes
-    from peagle_jax.verify import _node_choices
+    from peagle_jax.spec.verify import _node_choices
 
     logits = _batch_logits()
     params = SamplingParams.make(6, temperature, 0, 1.0)

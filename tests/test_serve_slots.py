@@ -9,18 +9,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from peagle_jax import model as M
-from peagle_jax import speculative as SP
-from peagle_jax import verify as V
-from peagle_jax.adaptive import AdaptiveK
-from peagle_jax.config import ModelConfig
 from peagle_jax.drafter import draft as D
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.model import init_drafter_params
-from peagle_jax.engine import Generator, RequestError, decode_step, sample_jit
+from peagle_jax.engine.generator import Generator, RequestError, decode_step, sample_jit
+from peagle_jax.models import model as M
+from peagle_jax.models.config import ModelConfig
 from peagle_jax.serve import slots as S
 from peagle_jax.serve.slots import SlotEngine, SlotRequest, merge_roots, put_row
-from peagle_jax.speculative import SpeculativeGenerator, flush_context, fused_step, plain_step
+from peagle_jax.spec import generator as SP
+from peagle_jax.spec import verify as V
+from peagle_jax.spec.adaptive import AdaptiveK
+from peagle_jax.spec.generator import SpeculativeGenerator
+from peagle_jax.spec.graphs import flush_context, fused_step, plain_step
 
 # A 6-token vocabulary and large weights, as in test_speculative: drafts are then accepted at every depth.
 CFG = ModelConfig(

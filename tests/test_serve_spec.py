@@ -38,7 +38,7 @@ def _plain_reference(model_dir, requests):
     from transformers import AutoTokenizer
 
     from peagle_jax.checkpoint import load_target_any
-    from peagle_jax.engine import Generator
+    from peagle_jax.engine.generator import Generator
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     cfg, params = load_target_any(model_dir)

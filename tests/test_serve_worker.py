@@ -8,9 +8,9 @@ import queue
 import jax
 import pytest
 
-from peagle_jax import model as M
-from peagle_jax.config import ModelConfig
-from peagle_jax.engine import Generator
+from peagle_jax.engine.generator import Generator
+from peagle_jax.models import model as M
+from peagle_jax.models.config import ModelConfig
 from peagle_jax.serve.slots import SlotEngine, SlotRequest
 from peagle_jax.serve.worker import EngineWorker, Failure, QueueFull
 

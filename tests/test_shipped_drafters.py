@@ -1,4 +1,4 @@
-"""The drafters shipped in the package (peagle_jax/drafters/): format, size, card, and, on the real
+"""The drafters shipped in the package (peagle_jax/drafter/shipped/): format, size, card, and, on the real
 SmolLM2, that they decode losslessly and accept what a trained drafter accepts."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from peagle_jax.drafter.shipped import (
     shipped_drafter,
 )
 from peagle_jax.errors import UserError
-from peagle_jax.weights import read_safetensors
+from peagle_jax.models.weights import read_safetensors
 
 SHIPPED = {"smollm2-peagle": "peagle", "smollm2-eagle3": "eagle3"}
 QUESTIONS = [
@@ -71,7 +71,7 @@ def test_default_tree_applies_to_a_shipped_drafter_without_k_or_tree(tmp_path):
 def test_default_trees_fit_their_drafters(name, spec):
     """A default tree parses, needs no more candidates than the draft vocabulary and verifies no more tokens
     per step than the drafter config's chain (the shape its card's numbers and the Neuron buckets assume)."""
-    from peagle_jax.verify import parse_tree
+    from peagle_jax.spec.tree import parse_tree
 
     tree = parse_tree(spec)
     dcfg = load_drafter(shipped_drafter(name))[0]
@@ -84,7 +84,7 @@ def smollm2():
     from transformers import AutoTokenizer
 
     from peagle_jax.checkpoint import load_target_any
-    from peagle_jax.gguf_loader import default_model_dir
+    from peagle_jax.models.gguf import default_model_dir
 
     tok = AutoTokenizer.from_pretrained(str(default_model_dir()))
     prompts = [
@@ -108,9 +108,9 @@ def test_shipped_drafter_on_smollm2_is_lossless_and_accepts(smollm2, name, k, tr
     """Greedy on two chat prompts (batched): the tokens of plain decoding, and an acceptance length that only
     a trained drafter reaches (a random one stays at 1.0; measured here: 1.29 for P-EAGLE at K=7, 1.54 with
     its default tree, which verifies as many tokens per step, and 1.31 for EAGLE-3 at K=3)."""
-    from peagle_jax.engine import Generator
-    from peagle_jax.speculative import SpeculativeGenerator
-    from peagle_jax.verify import parse_tree
+    from peagle_jax.engine.generator import Generator
+    from peagle_jax.spec.generator import SpeculativeGenerator
+    from peagle_jax.spec.tree import parse_tree
 
     (cfg, params), prompts = smollm2
     kw = dict(max_new_tokens=48, stop_token_ids=list(cfg.eos_token_ids))
@@ -134,12 +134,12 @@ def test_shipped_drafter_in_bfloat16_keeps_the_targets_greedy_tokens(smollm2, tr
     emitted text; measured: 0.0 for speculative, up to 0.06 for plain), and the drafter still accepts."""
     import jax.numpy as jnp
 
-    from peagle_jax import model as M
     from peagle_jax.checkpoint import load_target_any
-    from peagle_jax.engine import Generator
-    from peagle_jax.gguf_loader import default_model_dir
-    from peagle_jax.speculative import SpeculativeGenerator
-    from peagle_jax.verify import parse_tree
+    from peagle_jax.engine.generator import Generator
+    from peagle_jax.models import model as M
+    from peagle_jax.models.gguf import default_model_dir
+    from peagle_jax.spec.generator import SpeculativeGenerator
+    from peagle_jax.spec.tree import parse_tree
 
     dcfg, dparams = load_drafter(shipped_drafter("smollm2-peagle"), dtype="bfloat16")
     cfg, params = load_target_any(default_model_dir(), dtype="bfloat16", aux_layer_ids=dcfg.aux_layer_ids)

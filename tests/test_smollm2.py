@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from peagle_jax import assets, gguf_loader
-from peagle_jax import model as M
-from peagle_jax.engine import Generator
-from peagle_jax.weights import load_target
+from peagle_jax import assets
+from peagle_jax.engine.generator import Generator
+from peagle_jax.models import gguf as gguf_loader
+from peagle_jax.models import model as M
+from peagle_jax.models.weights import load_target
 
 pytestmark = pytest.mark.slow
 

@@ -9,15 +9,16 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from peagle_jax import model as M
-from peagle_jax import verify as V
-from peagle_jax.config import ModelConfig
 from peagle_jax.drafter import draft as D
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.model import init_drafter_params
-from peagle_jax.engine import Generator
+from peagle_jax.engine.generator import Generator
+from peagle_jax.models import model as M
+from peagle_jax.models.config import ModelConfig
 from peagle_jax.sampling import SamplingParams, processed_logits
-from peagle_jax.speculative import SpeculativeGenerator, fused_step
+from peagle_jax.spec import verify as V
+from peagle_jax.spec.generator import SpeculativeGenerator
+from peagle_jax.spec.graphs import fused_step
 
 # A 6-token vocabulary and large weights: random models then agree often enough that drafts are accepted
 # at every depth, which is what these tests must exercise.
@@ -332,8 +333,8 @@ def test_real_smollm2_greedy_speculative_equals_plain(tmp_path):
     from transformers import AutoTokenizer
 
     from peagle_jax.drafter.load import load_drafter
-    from peagle_jax.gguf_loader import default_model_dir
-    from peagle_jax.weights import load_target
+    from peagle_jax.models.gguf import default_model_dir
+    from peagle_jax.models.weights import load_target
 
     model_dir = default_model_dir()
     tok = AutoTokenizer.from_pretrained(str(model_dir))

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from peagle_jax.config import ModelConfig
 from peagle_jax.errors import UserError
+from peagle_jax.models.config import ModelConfig
 from peagle_jax.sharding import check_tp, param_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,7 +78,7 @@ def test_partition_specs_by_name():
     import jax
     from jax.sharding import PartitionSpec as P
 
-    from peagle_jax import model
+    from peagle_jax.models import model
 
     cfg = ModelConfig(
         family="qwen3",

@@ -9,9 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from peagle_jax import model
-from peagle_jax.config import ModelConfig
-from peagle_jax.engine import Generator
+from peagle_jax.engine.generator import Generator
+from peagle_jax.models import model
+from peagle_jax.models.config import ModelConfig
 from peagle_jax.train.data import TrainData, split_rows
 from peagle_jax.train.features import build_cache, target_features
 from peagle_jax.train.pack import PackedRows, conversation, pack, training_layout

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from peagle_jax.config import ConfigError, ModelConfig
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.model import init_drafter_params
+from peagle_jax.models.config import ConfigError, ModelConfig
 from peagle_jax.train.cod import cod_batch, max_elements
 from peagle_jax.train.config import TrainConfig, load_config
 from peagle_jax.train.loop import (

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from peagle_jax.config import ConfigError
+from peagle_jax.models.config import ConfigError
 from peagle_jax.train.mesh import leaf_spec, make_mesh
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from peagle_jax.config import ConfigError
+from peagle_jax.models.config import ConfigError
+from peagle_jax.models.weights import read_safetensors
 from peagle_jax.train.recipe import load_recipe
-from peagle_jax.weights import read_safetensors
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "train" / "configs" / "tiny.yaml"

@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from peagle_jax.config import ModelConfig
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.draft import drafter_forward, fuse_aux
 from peagle_jax.drafter.model import init_drafter_params, new_drafter_cache
+from peagle_jax.models.config import ModelConfig
 from peagle_jax.train.cod import cod_batch, max_elements
 from peagle_jax.train.config import TrainConfig
 from peagle_jax.train.loop import loss_and_grad, partition

@@ -8,14 +8,15 @@ import itertools
 import jax
 import pytest
 
-from peagle_jax import engine
-from peagle_jax import model as M
-from peagle_jax import verify as V
-from peagle_jax.config import ModelConfig
 from peagle_jax.drafter import draft as D
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.model import init_drafter_params
-from peagle_jax.speculative import SpeculativeGenerator, flush_context, fused_step, plain_step
+from peagle_jax.engine import generator as engine
+from peagle_jax.models import model as M
+from peagle_jax.models.config import ModelConfig
+from peagle_jax.spec import verify as V
+from peagle_jax.spec.generator import SpeculativeGenerator
+from peagle_jax.spec.graphs import flush_context, fused_step, plain_step
 
 CFG = ModelConfig(
     family="llama",

@@ -15,9 +15,9 @@ import torch
 from conftest import tiny_hf_model
 from safetensors.torch import save_file
 
-from peagle_jax import model as M
-from peagle_jax.config import ConfigError
-from peagle_jax.weights import WeightsError, load_target, params_from_hf, params_to_hf, read_safetensors
+from peagle_jax.models import model as M
+from peagle_jax.models.config import ConfigError
+from peagle_jax.models.weights import WeightsError, load_target, params_from_hf, params_to_hf, read_safetensors
 
 IDS = np.random.RandomState(0).randint(0, 128, (2, 16))
 

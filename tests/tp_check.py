@@ -12,16 +12,16 @@ from jax import export
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from peagle_jax import model
-from peagle_jax.config import ModelConfig
+from peagle_jax.drafter.config import random_drafter_config
 from peagle_jax.drafter.model import init_drafter_params
-from peagle_jax.engine import Generator, decode_step
-from peagle_jax.neuron.graphs import random_drafter_config
+from peagle_jax.engine.generator import Generator, decode_step
+from peagle_jax.models import model
+from peagle_jax.models.config import ModelConfig
 from peagle_jax.neuron.lint import lint_stablehlo
 from peagle_jax.platform import static_graphs
 from peagle_jax.sampling import SamplingParams
 from peagle_jax.sharding import CACHE_SPEC, make_mesh, param_shardings
-from peagle_jax.speculative import SpeculativeGenerator
+from peagle_jax.spec.generator import SpeculativeGenerator
 
 CFG = ModelConfig(
     family="llama",

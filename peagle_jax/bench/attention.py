@@ -53,7 +53,7 @@ def measure(cfg, window: int, queries: int, rounds: int) -> dict[str, float]:
     return interleaved(fns, (q, ks, vs, visible), rounds)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.attention", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
     p.add_argument("--windows", default="256,1024,2048", help="attention windows W (cache slots), comma-separated")
@@ -63,7 +63,11 @@ def main(argv=None) -> int:
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="cache and queries (default float32)"
     )
     p.add_argument("--json", help="also write the results to this JSON file")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         windows = [int(w) for w in args.windows.split(",")]
         queries = [int(t) for t in args.queries.split(",")]

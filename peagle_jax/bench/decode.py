@@ -65,14 +65,18 @@ def run_transformers(hf, prompt_ids, n):
     return out[0, len(prompt_ids) :].tolist(), time.perf_counter() - t0
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.decode", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="model directory or 'smollm2' (default)")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run (default 64)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians are reported (default 5)")
     p.add_argument("--max-seq-len", type=int, default=2048, help="KV cache slots (default 2048)")
     p.add_argument("--json", help="also write the results to this JSON file")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     try:
         import torch
@@ -82,9 +86,9 @@ def main(argv=None) -> int:
         return 2
     from tqdm import tqdm
 
-    from peagle_jax.engine import Generator
-    from peagle_jax.generate import resolve_model_dir
-    from peagle_jax.weights import load_target
+    from peagle_jax.engine.generator import Generator
+    from peagle_jax.loading import resolve_model_dir
+    from peagle_jax.models.weights import load_target
 
     model_dir = resolve_model_dir(args.model)
     tok = AutoTokenizer.from_pretrained(str(model_dir))

@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from peagle_jax.config import ModelConfig
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.draft import fused_mask_hidden, parallel_draft, sequential_draft
 from peagle_jax.drafter.model import init_drafter_params, new_drafter_cache
+from peagle_jax.models.config import ModelConfig
 
 
 def smollm2_sized_drafter(layers: int = 2, draft_vocab: int = 49152) -> DrafterConfig:
@@ -45,7 +45,7 @@ def smollm2_sized_drafter(layers: int = 2, draft_vocab: int = 49152) -> DrafterC
     return DrafterConfig(layer=layer, algorithm="peagle", draft_vocab_size=draft_vocab, mask_token_id=0)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.draft", description=__doc__.split("\n")[0])
     p.add_argument("--max-k", type=int, default=8, help="largest K measured (default 8)")
     p.add_argument("--layers", type=int, default=2, help="drafter layers (default 2)")
@@ -57,7 +57,11 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=30, help="timed rounds per K; medians reported (default 30)")
     p.add_argument("--context", type=int, default=200, help="committed context length in the cache (default 200)")
     p.add_argument("--json", help="also write the results to this JSON file")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     window = 256 if args.context + 2 * args.max_k <= 256 else 512
     rows = []
     for vocab in (int(v) for v in args.draft_vocab.split(",")):

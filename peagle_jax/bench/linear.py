@@ -96,7 +96,7 @@ def load_model(model: str, dtype: str):
     be loaded (a user mistake: one line, no traceback)."""
     from peagle_jax.checkpoint import load_target_any
     from peagle_jax.errors import UserError
-    from peagle_jax.generate import resolve_model_dir
+    from peagle_jax.loading import resolve_model_dir
 
     try:
         return load_target_any(resolve_model_dir(model), dtype=dtype)
@@ -105,7 +105,7 @@ def load_model(model: str, dtype: str):
         return None
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.linear", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
     p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256", help="row counts M, comma-separated")
@@ -114,7 +114,11 @@ def main(argv=None) -> int:
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and inputs (default float32)"
     )
     p.add_argument("--json", help="also write the results to this JSON file")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         rows = [int(r) for r in args.rows.split(",")]
         if min(rows) < 1 or args.rounds < 1:

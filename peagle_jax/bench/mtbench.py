@@ -17,13 +17,14 @@ in the target's chat template (or ``--questions-file`` JSONL with a ``turns`` li
 
 The acceptance runs are saved one by one in ``OUT/progress.json``; ``--resume`` continues a stopped run.
 
-Drafters default to the shipped ones for the embedded SmolLM2 (``peagle_jax/drafters/``).
+Drafters default to the shipped ones for the embedded SmolLM2 (``peagle_jax/drafter/shipped/``).
 
 Writes ``OUT/results.json``, ``OUT/results.md`` and ``OUT/acceptance.png`` / ``OUT/speedup.png``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import statistics
@@ -102,7 +103,7 @@ def generate_all(gen, prompts, *, batch, max_new_tokens, temperature, stops, see
 
 def acceptance_run(gen, prompts, reference, *, name, **kw) -> dict:
     """Generate with a speculative generator, check against ``reference``, return its acceptance stats."""
-    from peagle_jax.speculative import SpecStats
+    from peagle_jax.spec.state import SpecStats
 
     gen.spec = SpecStats(accepted_per_position=[0] * gen.K)
     outs = generate_all(gen, prompts, **kw)
@@ -235,9 +236,9 @@ def plain_and_spec(args):
 
     from peagle_jax.checkpoint import load_target_any
     from peagle_jax.drafter.load import load_drafter
-    from peagle_jax.engine import Generator
-    from peagle_jax.generate import resolve_model_dir
-    from peagle_jax.speculative import SpeculativeGenerator
+    from peagle_jax.engine.generator import Generator
+    from peagle_jax.loading import resolve_model_dir
+    from peagle_jax.spec.generator import SpeculativeGenerator
 
     model_dir = resolve_model_dir(args.model)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -328,7 +329,7 @@ def earlier_acceptance(path: Path, res: dict, temps: list[float]) -> list[dict]:
 def run(args) -> dict:
 
     from peagle_jax.bench.progress import digest
-    from peagle_jax.verify import parse_tree
+    from peagle_jax.spec.tree import parse_tree
 
     model_dir, tok, plain, make, cfg, has_eagle3 = plain_and_spec(args)
     questions = load_questions(args.questions_file, args.questions)
@@ -431,10 +432,7 @@ def default_drafters(args) -> None:
         raise UserError("--drafter is needed for a --model other than smollm2")
 
 
-def main(argv=None) -> int:
-    import argparse
-    import sys
-
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m peagle_jax.bench", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
     p.add_argument(
@@ -474,7 +472,13 @@ def main(argv=None) -> int:
         action="store_true",
         help="continue a stopped run: skip the acceptance runs already saved in OUT/progress.json",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    import sys
+
+    args = build_parser().parse_args(argv)
     try:
         if float(args.temperatures.split(",")[0]) != 0:
             raise UserError("--temperatures: the first must be 0 (greedy picks the best K for the speed part)")

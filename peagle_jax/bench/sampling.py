@@ -46,14 +46,18 @@ def measure(rows: int, vocab: int, top_p: float, rounds: int) -> dict[str, float
     return interleaved({"branch-free": static, "branching": branching}, args, rounds)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.sampling", description=__doc__.split("\n")[0])
     p.add_argument("--rows", default="1,8,64", help="logit rows per call, comma-separated (default 1,8,64)")
     p.add_argument("--vocab", type=int, default=49152, help="vocabulary size (default 49152, SmolLM2's)")
     p.add_argument("--top-p", default="1.0,0.9", help="top_p values, comma-separated (default 1.0,0.9)")
     p.add_argument("--rounds", type=int, default=20, help="timed rounds per case (default 20)")
     p.add_argument("--json", help="also write the results to this JSON file")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         rows = [int(r) for r in args.rows.split(",")]
         top_ps = [float(t) for t in args.top_p.split(",")]

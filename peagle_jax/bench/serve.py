@@ -198,7 +198,7 @@ def policy_step_ms(metrics: dict[str, float]) -> dict[str, float]:
     return {f"{rows}x{k}": ms for (rows, k), ms in sorted(times.items())}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.serve", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
     p.add_argument(
@@ -245,11 +245,15 @@ def main(argv=None) -> int:
     p.add_argument("--platform", help="server --platform (default: the server's, cpu)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="server --dtype (default: the server's, float32)")
     p.add_argument("--json", help="also write the results to this JSON file")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     from peagle_jax.drafter.shipped import default_tree, resolve_drafter
     from peagle_jax.errors import UserError
     from peagle_jax.sampling import check_sampling_args
-    from peagle_jax.verify import parse_tree
+    from peagle_jax.spec.tree import parse_tree
 
     try:
         levels = _levels(args.concurrency)

@@ -21,7 +21,7 @@ import jax
 PROMPT = "Explain in a few paragraphs how a CPU cache works and why it matters for performance."
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.spec", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
     p.add_argument("--drafter", help="drafter directory (default: a random SmolLM2-sized P-EAGLE drafter)")
@@ -30,7 +30,11 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians reported (default 3)")
     p.add_argument("--fused", action="store_true", help="also measure the fused draft+verify step")
     p.add_argument("--json", help="also write the results to this JSON file")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -38,9 +42,10 @@ def main(argv=None) -> int:
     from peagle_jax.checkpoint import load_target_any
     from peagle_jax.drafter.load import load_drafter, save_drafter
     from peagle_jax.drafter.model import init_drafter_params
-    from peagle_jax.engine import Generator
-    from peagle_jax.generate import resolve_model_dir
-    from peagle_jax.speculative import SpecStats, SpeculativeGenerator
+    from peagle_jax.engine.generator import Generator
+    from peagle_jax.loading import resolve_model_dir
+    from peagle_jax.spec.generator import SpeculativeGenerator
+    from peagle_jax.spec.state import SpecStats
 
     model_dir = resolve_model_dir(args.model)
     tok = AutoTokenizer.from_pretrained(str(model_dir))

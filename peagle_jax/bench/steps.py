@@ -1,6 +1,6 @@
 """``python -m peagle_jax.bench.steps``: what each step length costs in the serving engine, against a plain step.
 
-The adaptive step length (:mod:`peagle_jax.adaptive`) picks, per step, a plain step (K' = 0), a chain of 1
+The adaptive step length (:mod:`peagle_jax.spec.adaptive`) picks, per step, a plain step (K' = 0), a chain of 1
 or K, whichever emits the most tokens per second; it can only match a plain server where its own plain
 step costs what the plain engine's decode step costs. This measures both in one loop: for each number of
 busy rows, a plain :class:`~peagle_jax.serve.slots.SlotEngine` and a speculative one (the shipped drafter
@@ -37,7 +37,7 @@ def measure(plain_gen, spec_gen, prompt, rows: int, steps: int, progress=None) -
     """Median seconds per step of the plain engine and of each K' of the speculative one, with ``rows``
     busy slots, and the tokens a row gains per step at each K'."""
     from peagle_jax.serve.slots import SlotEngine
-    from peagle_jax.verify import chain
+    from peagle_jax.spec.tree import chain
 
     K = spec_gen.K
     modes = {"plain": None, 0: chain(0), 1: chain(1), K: spec_gen.tree}
@@ -85,7 +85,7 @@ def measure(plain_gen, spec_gen, prompt, rows: int, steps: int, progress=None) -
     return out
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.steps", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
     p.add_argument("--drafter", help="drafter directory (default: the shipped drafter of the model)")
@@ -102,11 +102,15 @@ def main(argv=None) -> int:
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and compute (default float32)"
     )
     p.add_argument("--json", help="also write the results to this JSON file")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     from tqdm import tqdm
 
     from peagle_jax.errors import UserError
-    from peagle_jax.generate import load_tokenizer, resolve_model_dir
+    from peagle_jax.loading import load_tokenizer, resolve_model_dir
 
     try:
         rows = [int(r) for r in args.rows.split(",")]
@@ -158,10 +162,10 @@ def _generators(args, model_dir, load_tokenizer):
     from peagle_jax.checkpoint import load_target_any
     from peagle_jax.drafter.load import load_drafter
     from peagle_jax.drafter.shipped import default_tree, resolve_drafter
-    from peagle_jax.engine import Generator
+    from peagle_jax.engine.generator import Generator
     from peagle_jax.errors import UserError
-    from peagle_jax.speculative import SpeculativeGenerator
-    from peagle_jax.verify import parse_tree
+    from peagle_jax.spec.generator import SpeculativeGenerator
+    from peagle_jax.spec.tree import parse_tree
 
     drafter = args.drafter or resolve_drafter(args.model, None, None)
     if not drafter:

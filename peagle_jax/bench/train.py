@@ -58,7 +58,7 @@ def _drafter(layers: int, vocab: int, *, shared_embedding: bool):
 
 def throughput(args) -> dict:
     from peagle_jax.checkpoint import load_target_any
-    from peagle_jax.gguf_loader import default_model_dir
+    from peagle_jax.models.gguf import default_model_dir
 
     tcfg_model, tparams = load_target_any(default_model_dir())
     dcfg, params = _drafter(2, args.draft_vocab, shared_embedding=True)
@@ -159,7 +159,7 @@ def memory(args) -> dict:
     return out
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.train", description=__doc__.split("\n")[0])
     p.add_argument("--batch-size", type=int, default=2, help="rows per step (default 2)")
     p.add_argument("--seq-len", type=int, default=256, help="positions per row for throughput (default 256)")
@@ -172,7 +172,11 @@ def main(argv=None) -> int:
         help="instead: step time of each comma-separated LAYERS:DRAFT_VOCAB:K_TRAIN drafter shape, side by side",
     )
     p.add_argument("--json", help="also write the results to this JSON file")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if args.sweep:
         rows = sweep(args)
         print(f"## Step time by drafter shape (B={args.batch_size}, T={args.seq_len}, cached features)\n")

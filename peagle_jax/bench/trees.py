@@ -7,7 +7,7 @@ answer (the P-EAGLE training layout, every anchor and depth at once, whose eleme
 among the drafter's top-W candidates at every root and depth. From these ranks the acceptance of any tree
 follows without decoding: from the first root, a step accepts the deepest tree path whose ranks match the
 answer, emits that many tokens plus the bonus token, and the next root is the last of them (counted as
-:class:`peagle_jax.speculative.SpecStats` counts a greedy run, stop tokens included; tested equal).
+:class:`peagle_jax.spec.state.SpecStats` counts a greedy run, stop tokens included; tested equal).
 
 The search grows a tree one node at a time (a child of a tree node or of the root, rank < W, depth <= K),
 adding the node that raises the tokens per step most on the search half of the questions, and reports each
@@ -42,7 +42,7 @@ def spec(paths: Iterable[RankPath]) -> str:
 
 
 def paths_of(tree_spec: str) -> frozenset[RankPath]:
-    from peagle_jax.verify import parse_tree
+    from peagle_jax.spec.tree import parse_tree
 
     return frozenset(parse_tree(tree_spec).paths())  # parse_tree validates
 
@@ -236,7 +236,7 @@ def grow(items, budgets: Sequence[int], *, K: int, width: int, **kw) -> dict[int
     return out
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.trees", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
     p.add_argument("--drafter", help="P-EAGLE drafter directory (default: the shipped drafter of --model smollm2)")
@@ -254,7 +254,11 @@ def main(argv=None) -> int:
     )
     p.add_argument("--batch", type=int, default=16, help="answers generated per call (default 16)")
     p.add_argument("--json", help="also write the results to this JSON file")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         res = run(args)
     except UserError as e:
@@ -283,8 +287,8 @@ def run(args) -> dict:
     from peagle_jax.bench.mtbench import chat_prompts, default_drafters, generate_all, load_questions, stop_ids
     from peagle_jax.checkpoint import load_target_any
     from peagle_jax.drafter.load import load_drafter
-    from peagle_jax.engine import Generator
-    from peagle_jax.generate import load_tokenizer, resolve_model_dir
+    from peagle_jax.engine.generator import Generator
+    from peagle_jax.loading import load_tokenizer, resolve_model_dir
 
     if not 1 <= args.width <= 10:
         raise UserError(f"--width {args.width}: must be 1..10 (a tree spec writes each rank as one digit)")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from peagle_jax.config import ConfigError, ModelConfig, from_hf_config, to_hf_config
+from peagle_jax.models.config import ConfigError, ModelConfig, from_hf_config, to_hf_config
 
 ALGORITHMS = ("peagle", "eagle3")
 MASK_TOKEN_KEYS = ("mask_token_id", "ptd_token_id", "pard_token")
@@ -240,4 +240,18 @@ def drafter_config_from_dict(d: dict[str, Any], *, dtype: str = "float32") -> tu
         return from_eagle_config(d, dtype=dtype), "eagle"
     raise ConfigError(
         f"not a drafter config: neither speculators_model_type nor an EAGLE layout (architectures={archs})"
+    )
+
+
+def random_drafter_config(cfg: ModelConfig, layers: int = 2) -> DrafterConfig:
+    """A P-EAGLE drafter of the target's shape (width, heads, vocabulary), ``layers`` deep, reading the
+    target's aux taps; for SmolLM2 this is the SmolLM2-sized drafter of ``peagle_jax.bench.draft``."""
+    layer = cfg.replace(num_layers=layers, aux_layer_ids=(0,), tie_word_embeddings=True)
+    return DrafterConfig(
+        layer=layer,
+        algorithm="peagle",
+        mask_token_id=0,
+        target_hidden_size=cfg.hidden_size,
+        num_aux=len(cfg.aux_layer_ids),
+        aux_layer_ids=cfg.aux_layer_ids,
     )

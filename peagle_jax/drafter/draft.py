@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 
 from peagle_jax import ops
-from peagle_jax.cache import KVCache
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.model import Drafter, DraftForwardOut
+from peagle_jax.models.cache import KVCache
 
 
 class Draft(NamedTuple):
@@ -68,7 +68,7 @@ def drafter_forward(
     logits_at_BM=None,
 ):
     """T drafter elements per row at cache slots ``start[b] ..``; the drafter's counterpart of
-    :func:`peagle_jax.model.forward` (``logits_at_BM`` gathers rows before the LM head).
+    :func:`peagle_jax.models.model.forward` (``logits_at_BM`` gathers rows before the LM head).
     Returns ``(DraftForwardOut, cache)``."""
     start_B, positions_BT, visible_BTS = ops.new_token_layout(
         start_B, tokens_BT.shape[1], cache.num_slots, window, mask_BTT, positions_BT
@@ -132,7 +132,7 @@ def parallel_draft(
     if not cfg.parallel:
         raise ValueError("parallel_draft needs a P-EAGLE drafter (mask token and mask_hidden)")
     B, C = tokens_BC.shape
-    aux_BCX = aux_BCX[:, :C]  # the context may sit in a longer queue (see peagle_jax.speculative.queue_slots)
+    aux_BCX = aux_BCX[:, :C]  # the context may sit in a longer queue (see peagle_jax.spec.state.queue_slots)
     T = C + K - 1
     count_B = count_B.astype(jnp.int32)
     g_BCD = _context_g(params, aux_BCX, count_B, cfg)
@@ -174,7 +174,7 @@ def sequential_draft(
     :func:`parallel_draft`; works for P-EAGLE checkpoints too (the baseline P-EAGLE is measured against).
     """
     B, C = tokens_BC.shape
-    aux_BCX = aux_BCX[:, :C]  # the context may sit in a longer queue (see peagle_jax.speculative.queue_slots)
+    aux_BCX = aux_BCX[:, :C]  # the context may sit in a longer queue (see peagle_jax.spec.state.queue_slots)
     count_B = count_B.astype(jnp.int32)
     g_BCD = _context_g(params, aux_BCX, count_B, cfg)
     last_B1 = (count_B - 1)[:, None]

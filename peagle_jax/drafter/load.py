@@ -8,14 +8,14 @@ from typing import Any
 import numpy as np
 
 from peagle_jax.checkpoint import CheckpointError, cast_floats, is_jax_checkpoint, load_checkpoint
-from peagle_jax.config import ConfigError, read_config_json
 from peagle_jax.drafter.config import DrafterConfig, drafter_config_from_dict
 from peagle_jax.drafter.weights import (
     check_drafter_params,
     drafter_params_from_tensors,
     with_embedding_of,
 )
-from peagle_jax.weights import flatten, read_safetensors
+from peagle_jax.models.config import ConfigError, read_config_json
+from peagle_jax.models.weights import flatten, read_safetensors
 
 
 def read_torch_drafter(
@@ -58,7 +58,7 @@ def save_drafter(
 
     from peagle_jax.drafter.config import to_eagle_config, to_speculators_config
     from peagle_jax.drafter.weights import drafter_params_to_tensors
-    from peagle_jax.weights import write_safetensors
+    from peagle_jax.models.weights import write_safetensors
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """The drafter as a Flax module: EAGLE-3 layout plus P-EAGLE's ``mask_hidden``.
 
 Parameter tree (names mirror the speculators checkpoint keys; matrices in ``[out, in]`` layout, q/k/v and
-gate/up stacked as in :mod:`peagle_jax.layers`):
+gate/up stacked as in :mod:`peagle_jax.models.layers`):
 
     embed_tokens [V, H]          only when the checkpoint carries its own (else the target's is passed in)
     input_norm.weight [A*Ht]     norm_before_fc      fc_norm.{i}.weight [Ht]   fc_norm
@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 
 from peagle_jax import ops
-from peagle_jax.cache import KVCache
 from peagle_jax.drafter.config import DrafterConfig
-from peagle_jax.layers import MLP, Attention, DecoderLayer, Linear, RMSNorm
-from peagle_jax.model import attention_spec
+from peagle_jax.models.cache import KVCache
+from peagle_jax.models.layers import MLP, Attention, DecoderLayer, Linear, RMSNorm
+from peagle_jax.models.model import attention_spec
 
 _init = nn.initializers.normal(stddev=0.02)
 

@@ -1,6 +1,6 @@
 """Drafter checkpoints (speculators or EAGLE / AWS layout) <-> the drafter's parameter tree.
 
-The decoder layers use the target's rules (:func:`peagle_jax.weights.decoder_layer_rules`): layer 0 reads
+The decoder layers use the target's rules (:func:`peagle_jax.models.weights.decoder_layer_rules`): layer 0 reads
 2H-wide inputs and is named ``layers.0.*`` (speculators) or ``midlayer.*`` (EAGLE / AWS); layers 1..N-1 are
 ``layers.{i}.*`` in both. The drafter's own top-level tensors map one to one. Conversion keeps each tensor's
 dtype (bf16 stays bf16), except ``d2t``, which is int32 here (speculators saves int64) and goes back to the
@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from peagle_jax.drafter.config import DrafterConfig
-from peagle_jax.weights import (
+from peagle_jax.models.weights import (
     _SAME,
     WeightsError,
     check_params,

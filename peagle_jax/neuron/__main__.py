@@ -47,38 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def target_config(model: str, dtype: str, aux_layer_ids=None):
-    """The target's config only (no weights): Hugging Face or converted JAX directory, or 'smollm2'."""
-    from peagle_jax.checkpoint import is_jax_checkpoint, read_meta
-    from peagle_jax.config import from_hf_config, read_config_json
-    from peagle_jax.generate import resolve_model_dir
-
-    path = resolve_model_dir(model)
-    config = read_meta(path).config if is_jax_checkpoint(path) else read_config_json(path)
-    return from_hf_config(config, dtype=dtype, aux_layer_ids=aux_layer_ids)
-
-
-def configs(model: str, drafter: str | None, dtype: str):
-    """(target config, drafter config, a line saying which drafter) for ``--model`` / ``--drafter``: the
-    given drafter, else the shipped default of the model, else a random one of the target's shape."""
-    from peagle_jax.drafter.shipped import resolve_drafter
-    from peagle_jax.neuron.graphs import random_drafter_config
-
-    drafter = drafter or resolve_drafter(model, None, None)
-    if drafter:
-        from peagle_jax.drafter.load import load_drafter
-
-        dcfg = load_drafter(drafter, dtype=dtype)[0]
-        cfg = target_config(model, dtype, dcfg.aux_layer_ids)
-        return cfg, dcfg, f"drafter {drafter} ({dcfg.algorithm}, {dcfg.layer.num_layers} layers)"
-    cfg = target_config(model, dtype)
-    note = (
-        "no --drafter: a randomly initialised 2-layer P-EAGLE drafter of the target's shape "
-        "(graph shapes do not depend on weights)"
-    )
-    return cfg, random_drafter_config(cfg), note
-
-
 def run_export(args) -> int:
     import jax
     from tqdm import tqdm
@@ -91,6 +59,8 @@ def run_export(args) -> int:
     platforms = tuple(p.strip() for p in args.platforms.split(",") if p.strip())
     if not platforms:
         raise UserError("--platforms is empty")
+    from peagle_jax.loading import configs
+
     cfg, dcfg, drafter_note = configs(args.model, args.drafter, buckets.dtype)
     if args.tp < 1:
         raise UserError(f"--tp must be >= 1, got {args.tp}")

@@ -2,7 +2,7 @@
 
 On Neuron every distinct shape is one NEFF compiled ahead of time (minutes each for a large model), so a
 deployment lists its shapes up front. The graph set follows from these fields exactly as the generators
-derive it (:class:`peagle_jax.engine.Generator`): batch buckets; prompt-length (prefill) buckets, the
+derive it (:class:`peagle_jax.engine.generator.Generator`): batch buckets; prompt-length (prefill) buckets, the
 largest being the chunk long prompts are split into; ``max_seq_len``, which sets the KV cache slots and
 the attention-window buckets; the draft lengths K (a chain each) and static trees; and which graph
 families to build. Example (``neuron/buckets.yaml``)::

@@ -45,11 +45,11 @@ def register_serialization() -> None:
     global _registered
     if _registered:
         return
-    from peagle_jax.cache import KVCache
     from peagle_jax.drafter.draft import Draft
-    from peagle_jax.model import ForwardOut
+    from peagle_jax.models.cache import KVCache
+    from peagle_jax.models.model import ForwardOut
     from peagle_jax.sampling import SamplingParams
-    from peagle_jax.verify import VerifyOut
+    from peagle_jax.spec.verify import VerifyOut
 
     for cls in (SamplingParams, ForwardOut, VerifyOut, Draft):
         export.register_namedtuple_serialization(cls, serialized_name=f"peagle_jax.{cls.__name__}")

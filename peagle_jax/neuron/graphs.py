@@ -4,8 +4,8 @@ A graph is one jitted entry point with its static arguments bound and its inputs
 ``jax.ShapeDtypeStruct``: exporting needs shapes only, so a full-size model is exported without its
 weights in memory (parameters come from ``jax.eval_shape`` of the initialiser).
 
-The set mirrors what :class:`peagle_jax.engine.Generator` and
-:class:`peagle_jax.speculative.SpeculativeGenerator` can call with these buckets, derived with their own
+The set mirrors what :class:`peagle_jax.engine.generator.Generator` and
+:class:`peagle_jax.spec.generator.SpeculativeGenerator` can call with these buckets, derived with their own
 bucket logic (cache slots, window buckets): for each batch bucket B,
 
 - plain decoding: ``prefill`` per (prompt bucket, attention window) a chunked prompt can reach, the
@@ -17,7 +17,7 @@ bucket logic (cache slots, window buckets): for each batch bucket B,
   next draft's context); with ``adaptive`` (the server's default step-length policy) the same for the
   shorter step lengths it picks from (a chain of 1 over the same K + 1 context slots), the plain step
   (``plain_step`` per window) and ``flush_context`` per window (the Q queued context elements, see
-  :func:`peagle_jax.speculative.queue_slots`, into the drafter cache);
+  :func:`peagle_jax.spec.state.queue_slots`, into the drafter cache);
 - once: ``fused_mask_hidden`` (run at load).
 """
 
@@ -31,18 +31,20 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
-from peagle_jax import model
-from peagle_jax.adaptive import step_trees
-from peagle_jax.config import ModelConfig
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.draft import drafter_prefill, fused_mask_hidden, parallel_draft, sequential_draft
 from peagle_jax.drafter.model import init_drafter_params, new_drafter_cache
-from peagle_jax.engine import Generator, decode_step, sample_jit
+from peagle_jax.engine.generator import Generator, decode_step, sample_jit
+from peagle_jax.models import model
+from peagle_jax.models.config import ModelConfig
 from peagle_jax.neuron.buckets import ServingBuckets
 from peagle_jax.sampling import SamplingParams
 from peagle_jax.sharding import AXIS, CACHE_SPEC, check_tp, param_shardings
-from peagle_jax.speculative import cache_slack, flush_context, fused_step, plain_step, queue_slots, write_context
-from peagle_jax.verify import Tree, chain, parse_tree, verify
+from peagle_jax.spec.adaptive import step_trees
+from peagle_jax.spec.graphs import flush_context, fused_step, plain_step, write_context
+from peagle_jax.spec.state import cache_slack, queue_slots
+from peagle_jax.spec.tree import Tree, chain, parse_tree
+from peagle_jax.spec.verify import verify
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,20 +67,6 @@ def abstract_params(cfg: ModelConfig):
 
 def abstract_drafter_params(dcfg: DrafterConfig):
     return jax.eval_shape(lambda: init_drafter_params(dcfg, jax.random.key(0)))
-
-
-def random_drafter_config(cfg: ModelConfig, layers: int = 2) -> DrafterConfig:
-    """A P-EAGLE drafter of the target's shape (width, heads, vocabulary), ``layers`` deep, reading the
-    target's aux taps; for SmolLM2 this is the SmolLM2-sized drafter of ``peagle_jax.bench.draft``."""
-    layer = cfg.replace(num_layers=layers, aux_layer_ids=(0,), tie_word_embeddings=True)
-    return DrafterConfig(
-        layer=layer,
-        algorithm="peagle",
-        mask_token_id=0,
-        target_hidden_size=cfg.hidden_size,
-        num_aux=len(cfg.aux_layer_ids),
-        aux_layer_ids=cfg.aux_layer_ids,
-    )
 
 
 def _sampling(B):
@@ -176,7 +164,7 @@ def plain_graphs(cfg, params, buckets: ServingBuckets, mesh=None) -> list[Graph]
 
 def speculative_graphs(cfg, params, dcfg, dparams, buckets: ServingBuckets, tree: Tree, mesh=None) -> list[Graph]:
     """The graphs of a generator drafting ``tree`` (K = its depth, C = K + 1 context slots); with
-    ``buckets.adaptive`` also those of its shorter step lengths (:func:`peagle_jax.adaptive.step_trees`: a
+    ``buckets.adaptive`` also those of its shorter step lengths (:func:`peagle_jax.spec.adaptive.step_trees`: a
     plain step and a chain of 1, drafted over the same C slots and cache) and ``flush_context``, which keeps
     the drafter current during plain steps (``make_room``)."""
     gen = Generator(

@@ -66,7 +66,7 @@ class ModelCost:
 
 def model_cost(cfg, params=None) -> ModelCost:
     """Bytes and matmul parameters of a target or drafter config, from ``jax.eval_shape`` of its init."""
-    from peagle_jax import model
+    from peagle_jax.models import model
 
     if params is None:
         params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
@@ -190,7 +190,7 @@ def add_plan_parser(sub) -> None:
 
 
 def run_plan(args) -> int:
-    from peagle_jax.neuron.__main__ import configs
+    from peagle_jax.loading import configs
 
     if args.k < 1 or args.batch < 1 or args.context < 0:
         raise UserError("--k and --batch must be >= 1 and --context >= 0")

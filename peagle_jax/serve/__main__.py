@@ -179,17 +179,20 @@ def parse_load_k(spec: str | None) -> tuple[list[tuple[int, int]], bool]:
 
 def load(args):
     """(generator, tokenizer, stop ids, model name) for the resolved args."""
-    from peagle_jax.checkpoint import load_target_any
-    from peagle_jax.engine import Generator
-    from peagle_jax.generate import load_tokenizer, resolve_model_dir, speculative_generator
+    from peagle_jax.loading import GeneratorOptions, build_generator, load_tokenizer, resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
     tokenizer = load_tokenizer(model_dir)
-    if args.drafter is None:
-        cfg, params = load_target_any(model_dir, dtype=args.dtype)
-        gen = Generator(cfg, params, max_seq_len=args.max_seq_len)
-    else:
-        gen = speculative_generator(args, model_dir)
+    opts = GeneratorOptions(
+        dtype=args.dtype,
+        max_seq_len=args.max_seq_len,
+        drafter=args.drafter,
+        k=args.k,
+        tree=args.tree,
+        sequential=args.sequential,
+        fused=args.fused,
+    )
+    gen = build_generator(opts, model_dir)
     stops = set(gen.cfg.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         stops.add(tokenizer.eos_token_id)

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from peagle_jax.engine import RequestError
+from peagle_jax.engine.generator import RequestError
 from peagle_jax.serve import protocol
 from peagle_jax.serve.protocol import APIError, ChatRequest, CompletionRequest
 from peagle_jax.serve.slots import SlotRequest

@@ -4,17 +4,17 @@ The engine owns one target cache ``[B, ..., S]`` (and, with a drafter, one draft
 context of every row). A request is prefilled alone as a 1-row batch with the generator's bucketed prefill
 graph (plus the drafter prefill), and its row is copied into a free slot by one jitted fixed-shape update
 (:func:`put_row`, the slot index is data). Each :meth:`SlotEngine.step` then advances every slot at once
-with the same graphs the batch generators use: :func:`peagle_jax.engine.decode_step` for plain decoding,
-:meth:`peagle_jax.speculative.SpeculativeGenerator.run_step` (draft -> verify) or a plain step with a drafter.
+with the same graphs the batch generators use: :func:`peagle_jax.engine.generator.decode_step` for plain decoding,
+:meth:`peagle_jax.spec.generator.SpeculativeGenerator.run_step` (draft -> verify) or a plain step with a drafter.
 
 With the adaptive policy the drafter's own work is lazy: where drafting does not pay at the current load, a
 request is admitted without the drafter prefill and a row's queued draft context is dropped when full rather
-than written into the drafter cache (:meth:`peagle_jax.speculative.SpecState.desync`); when drafting pays
+than written into the drafter cache (:meth:`peagle_jax.spec.state.SpecState.desync`); when drafting pays
 again, rows are re-seeded one per step (:meth:`SlotEngine._resync`). Drafts never change outputs, so a row
 with a stale drafter context costs only acceptance, which the policy accounts for.
 
 Plain steps (every step without a drafter; the steps where the adaptive policy or a load threshold does not
-draft) overlap the host the way :meth:`peagle_jax.engine.Generator.stream` does: a step launches the next
+draft) overlap the host the way :meth:`peagle_jax.engine.generator.Generator.stream` does: a step launches the next
 plain step on the unread device-side tokens of the last before it reads them, so the host's bookkeeping
 (events, admissions) runs while the device decodes. A row whose request ended in the step being read, or
 left (cancelled), has its token of the following step dropped; a row admitted since the last launch feeds
@@ -42,14 +42,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from peagle_jax import model
-from peagle_jax.adaptive import CALIBRATION_STEPS, adaptive_policy
 from peagle_jax.drafter.model import new_drafter_cache
-from peagle_jax.engine import Generator, RequestError, decode_step, sample_jit
+from peagle_jax.engine.generator import Generator, RequestError, decode_step, sample_jit
+from peagle_jax.models import model
 from peagle_jax.platform import MapBudget
 from peagle_jax.sampling import SamplingParams, check_sampling_args, greedy_graph, greedy_modes
-from peagle_jax.speculative import SpecState, SpeculativeGenerator, host_copy
-from peagle_jax.verify import Tree, chain
+from peagle_jax.spec.adaptive import CALIBRATION_STEPS, adaptive_policy
+from peagle_jax.spec.generator import SpeculativeGenerator
+from peagle_jax.spec.state import SpecState, host_copy
+from peagle_jax.spec.tree import Tree, chain
 
 _ids = itertools.count(1)
 
@@ -117,7 +118,7 @@ class _Launched:
 @functools.partial(jax.jit, donate_argnames=("big",))
 def put_row(big, row, b):
     """Copy a 1-row pytree ``row`` into row ``b`` (an int32 scalar) of the B-row pytree ``big``. A row longer
-    than ``big``'s on another axis is cut to it: a one-row cache has :data:`peagle_jax.engine.ONE_ROW_PAD`
+    than ``big``'s on another axis is cut to it: a one-row cache has :data:`peagle_jax.engine.buckets.ONE_ROW_PAD`
     slots more, never written."""
 
     def put(x, y):
@@ -139,7 +140,7 @@ class SlotEngine:
     ):
         """``load_k``: (n, K') pairs, with at least n active slots a step drafts and verifies a chain of K'
         (0: a plain step). ``adaptive``: each step picks plain, a chain of 1 or the generator's own tree by
-        measured throughput (:class:`peagle_jax.adaptive.AdaptiveK`); excludes ``load_k``."""
+        measured throughput (:class:`peagle_jax.spec.adaptive.AdaptiveK`); excludes ``load_k``."""
         if max_batch < 1:
             raise RequestError(f"max_batch must be >= 1, got {max_batch}")
         self.gen, self.B = gen, max_batch
@@ -160,7 +161,7 @@ class SlotEngine:
         if adaptive:
             self.policy = adaptive_policy(gen.tree)
         # With the adaptive policy, the drafter's work is lazy: where drafting does not pay (the policy's
-        # :meth:`~peagle_jax.adaptive.AdaptiveK.pays`), a request is admitted without the drafter prefill and
+        # :meth:`~peagle_jax.spec.adaptive.AdaptiveK.pays`), a request is admitted without the drafter prefill and
         # a row whose context queue fills is desynced rather than flushed (SpecState.desync); once drafting
         # pays again, one unsynced row per step is re-seeded (:meth:`_resync`).
         self.lazy = adaptive

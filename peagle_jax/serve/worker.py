@@ -21,7 +21,7 @@ import time
 import traceback
 from collections.abc import Callable
 
-from peagle_jax.engine import RequestError
+from peagle_jax.engine.generator import RequestError
 from peagle_jax.errors import UserError
 from peagle_jax.serve.metrics import Metrics
 from peagle_jax.serve.slots import SlotEngine, SlotEvent, SlotRequest

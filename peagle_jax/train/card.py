@@ -173,7 +173,7 @@ def card(
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m peagle_jax.train.card", description=__doc__.split("\n")[0])
     p.add_argument("run", help="the training run's output directory")
     p.add_argument("--drafter", required=True, help="the shipped drafter directory; README.md is written there")
@@ -181,7 +181,11 @@ def main(argv=None) -> int:
     p.add_argument("--command", required=True, help="the training command, as run")
     p.add_argument("--ship-command", default="", help="the command that wrote the shipped directory")
     p.add_argument("--note", action="append", default=[], help="a line for the card's Notes section (repeatable)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         info = collect(Path(args.run))
         dst = Path(args.drafter)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from peagle_jax.config import ConfigError
 from peagle_jax.errors import UserError
+from peagle_jax.models.config import ConfigError
 
 
-def parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="train/train.py",
         description="Train a P-EAGLE / EAGLE-3 drafter: prompts, regeneration by the target, draft vocabulary, "
@@ -23,7 +23,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> None:
-    args = parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     from peagle_jax.train.pipeline import run
     from peagle_jax.train.recipe import load_recipe
 

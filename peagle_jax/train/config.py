@@ -3,7 +3,7 @@
 One style for every entry point: ``load_config(path, ["lr=1e-4", "compute_dtype=bfloat16"])`` reads the
 YAML mapping (every key must be a field), applies the overrides (values parsed as YAML scalars), coerces
 each value to its field's type and validates the result. Unknown keys and bad values raise
-:class:`~peagle_jax.config.ConfigError` naming the key.
+:class:`~peagle_jax.models.config.ConfigError` naming the key.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from peagle_jax.config import ConfigError
+from peagle_jax.models.config import ConfigError
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
 OBJECTIVES = ("peagle", "eagle3")

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from peagle_jax import model
-from peagle_jax.config import ModelConfig
+from peagle_jax.models import model
+from peagle_jax.models.config import ModelConfig
 from peagle_jax.train.pack import PackedRows
 from peagle_jax.train.prompts import DataError
 

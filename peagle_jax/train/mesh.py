@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from peagle_jax.config import ConfigError
+from peagle_jax.models.config import ConfigError
 from peagle_jax.train.loop import STEP_STATICS, train_step_fn
 
 AXES = ("data", "fsdp")

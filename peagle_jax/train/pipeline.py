@@ -23,11 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from peagle_jax.config import ConfigError, ModelConfig
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.load import load_drafter, save_drafter
 from peagle_jax.drafter.model import init_drafter_params
-from peagle_jax.engine import Generator
+from peagle_jax.engine.generator import Generator
+from peagle_jax.models.config import ConfigError, ModelConfig
 from peagle_jax.train import mesh as meshlib
 from peagle_jax.train.data import TrainData, split_rows
 from peagle_jax.train.features import build_cache
@@ -52,7 +52,7 @@ def load_target(recipe: Recipe):
     from transformers import AutoTokenizer
 
     from peagle_jax.checkpoint import load_target_any
-    from peagle_jax.gguf_loader import default_model_dir
+    from peagle_jax.models.gguf import default_model_dir
 
     t = recipe.target
 
@@ -78,7 +78,7 @@ def load_target(recipe: Recipe):
             eos_token_ids=eos,
             max_position_embeddings=t.max_seq_len,
         )
-        from peagle_jax.model import init_params
+        from peagle_jax.models.model import init_params
 
         return cfg, init_params(cfg, jax.random.key(t.seed)), tokenizer, "random"
     cfg, params = load_target_any(resolve(t.model))
@@ -88,8 +88,8 @@ def load_target(recipe: Recipe):
 def save_random_target(cfg: ModelConfig, params, tokenizer, path: Path) -> None:
     """Write the random target as a Hugging Face directory (with the tokenizer), so that the exported
     drafter can be run against it: ``generate --model DIR/target --drafter DIR/drafter``."""
-    from peagle_jax.config import to_hf_config
-    from peagle_jax.weights import params_to_hf, write_safetensors
+    from peagle_jax.models.config import to_hf_config
+    from peagle_jax.models.weights import params_to_hf, write_safetensors
 
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=1))

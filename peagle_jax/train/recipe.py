@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from peagle_jax.config import ConfigError
+from peagle_jax.models.config import ConfigError
 from peagle_jax.train.config import TrainConfig, load_config
 
 

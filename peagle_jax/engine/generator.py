@@ -1,0 +1,286 @@
+"""Plain (non-speculative) batched generation: bucketed prefill, one jitted decode step, a host loop.
+
+Every device call has a fixed shape: the batch is padded to a batch bucket, prompts to a length bucket,
+and the decode step always sees ``[B]`` tokens at per-row positions. Attention reads only a window of the
+cache whose width is also bucketed (:data:`WINDOW_BUCKETS`), so its cost follows the context. A run thus
+compiles at most one prefill per (batch, length, window) bucket and one decode step per (batch, window)
+bucket, whatever the prompts are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from peagle_jax.engine.buckets import BATCH_BUCKETS, ONE_ROW_PAD, PREFILL_BUCKETS, WINDOW_BUCKETS, bucket
+from peagle_jax.errors import UserError
+from peagle_jax.models import model
+from peagle_jax.models.config import ModelConfig
+from peagle_jax.sampling import SamplingParams, greedy_graph, sample
+
+
+class RequestError(UserError):
+    """A request that cannot be served as given (too long, empty, ...); the message says why."""
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "greedy_only", "window"), donate_argnames=("cache",))
+def decode_step(params, cache, tokens_B, positions_B, seeds_B, sampling: SamplingParams, *, cfg, greedy_only, window):
+    """Feed one token per row at its position, sample the next. Returns (next tokens [B], cache)."""
+    out, cache = model.forward(params, cache, tokens_B[:, None], positions_B, cfg=cfg, window=window)
+    return sample(out.logits[:, 0], sampling, seeds_B, positions_B + 1, greedy_only=greedy_only), cache
+
+
+@functools.partial(jax.jit, static_argnames=("greedy_only",))
+def sample_jit(logits_BV, sampling, seeds_B, positions_B, *, greedy_only):
+    return sample(logits_BV, sampling, seeds_B, positions_B, greedy_only=greedy_only)
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    token_ids: list[int]
+    finish_reason: str  # "stop" (an EOS/stop token) or "length"
+
+
+@dataclasses.dataclass
+class StepStats:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    new_tokens: int = 0
+
+
+class Generator:
+    """Batched plain decoding for one target model, holding its compiled graphs between calls."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params,
+        *,
+        max_seq_len: int = 2048,
+        prefill_buckets: Sequence[int] = PREFILL_BUCKETS,
+        batch_buckets: Sequence[int] = BATCH_BUCKETS,
+        slack: int = 0,
+        mesh=None,
+    ):
+        """``mesh`` (a :func:`peagle_jax.sharding.make_mesh` mesh) runs tensor-parallel: the parameters and
+        every KV cache are placed sharded on it, and jit partitions the graphs."""
+        if max_seq_len < 2:
+            raise RequestError(f"max_seq_len must be >= 2, got {max_seq_len}")
+        self.mesh = mesh
+        if mesh is not None and params is not None:
+            from peagle_jax import sharding
+
+            sharding.check_tp(mesh.size, num_kv_heads=cfg.num_kv_heads, intermediate_size=cfg.intermediate_size)
+            params = sharding.shard_params(params, mesh)
+        self.cfg, self.params, self.max_seq_len = cfg, params, max_seq_len
+        self.prefill_buckets = tuple(b for b in sorted(prefill_buckets) if b <= max_seq_len) or (max_seq_len,)
+        self.batch_buckets = tuple(sorted(batch_buckets))
+        # Cache slots: max_seq_len rounded up to whole prefill chunks, so that a padded last chunk still
+        # fits (the cache write requires start + T <= S for every row), and at least max_seq_len + ``slack``
+        # (the slots a multi-token step may write past the last committed token). The slack is not rounded
+        # up to another chunk, and the top window bucket is the whole cache: a speculative generator with
+        # max_seq_len 2048 has 2063 slots and windows 128 .. 1024, 2063, not 4096 slots and a 4096 window
+        # (half the cache memory, and one window's graphs fewer to compile).
+        chunk = self.prefill_buckets[-1]
+        self.num_slots = max(-(-max_seq_len // chunk) * chunk, max_seq_len + slack)
+        self.window_buckets = tuple(w for w in WINDOW_BUCKETS if w < max_seq_len) + (self.num_slots,)
+        self.stats = StepStats()
+
+    def _check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+        if not prompts:
+            raise RequestError("no prompts given")
+        if len(prompts) > self.batch_buckets[-1]:
+            raise RequestError(f"{len(prompts)} prompts exceed the largest batch bucket {self.batch_buckets[-1]}")
+        if max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise RequestError(f"prompt {i} is empty")
+            if len(p) + max_new_tokens > self.max_seq_len:
+                raise RequestError(
+                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds "
+                    f"max_seq_len={self.max_seq_len}"
+                )
+            bad = [t for t in p if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise RequestError(
+                    f"prompt {i} has token id {bad[0]} outside the vocabulary 0..{self.cfg.vocab_size - 1}"
+                )
+
+    def window(self, context: int) -> int:
+        """The attention window bucket covering ``context`` slots."""
+        return bucket(context, self.window_buckets)
+
+    def cache_slots(self, batch: int) -> int:
+        """Slots of a fresh cache of ``batch`` rows: :attr:`num_slots`, plus :data:`ONE_ROW_PAD` for one fp32
+        row on the CPU backend, so that even the top window is a slice of that cache (see there)."""
+        padded = batch == 1 and self.cfg.jnp_dtype == jnp.float32 and jax.default_backend() == "cpu"
+        return self.num_slots + (ONE_ROW_PAD if padded else 0)
+
+    def prefill(self, prompts: Sequence[Sequence[int]], batch: int, on_chunk=None):
+        """Prefill prompts (padded to ``batch`` rows) into a fresh cache; long prompts go in chunks of the
+        largest bucket. ``on_chunk(out, start, T)`` sees each chunk's output (the speculative generator
+        seeds its drafter from the aux hidden states). Returns (last-token logits [batch, V], cache)."""
+        cache = model.new_cache(self.cfg, batch, self.cache_slots(batch))
+        if self.mesh is not None:
+            from peagle_jax.sharding import shard_cache
+
+            cache = shard_cache(cache, self.mesh)
+        lengths = np.array([len(p) for p in prompts] + [1] * (batch - len(prompts)), np.int32)
+        chunk = self.prefill_buckets[-1]
+        logits = None
+        for start in range(0, int(lengths.max()), chunk):
+            T = bucket(min(int(lengths.max()) - start, chunk), self.prefill_buckets)
+            tokens = np.zeros((batch, T), np.int32)
+            for b, p in enumerate(prompts):
+                piece = p[start : start + T]
+                tokens[b, : len(piece)] = piece
+            n_B = np.clip(lengths - start, 0, T)
+            # Rows whose prompt ended in an earlier chunk re-write their own stale tail: harmless, and
+            # their last logits are kept from the chunk where they ended.
+            out, cache = model.prefill(
+                self.params,
+                cache,
+                jnp.asarray(tokens),
+                jnp.asarray(np.maximum(n_B, 1)),
+                jnp.full((batch,), start, jnp.int32),
+                cfg=self.cfg,
+                window=self.window(start + T),
+            )
+            if on_chunk is not None:
+                on_chunk(out, start, T)
+            ended_here = jnp.asarray((lengths > start) & (lengths <= start + T))[:, None]
+            logits = out.logits if logits is None else jnp.where(ended_here, out.logits, logits)
+        return logits, cache
+
+    def _request(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids):
+        """Check a request and lay out its per-row arrays over the batch bucket: (n, B, stop ids, sampling
+        params, whether every row is greedy, seeds)."""
+        self._check(prompts, max_new_tokens)
+        n = len(prompts)
+        B = bucket(n, self.batch_buckets)
+        stops = set(self.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
+
+        def per_row(x, dtype):
+            arr = np.broadcast_to(np.asarray(x, dtype), (n,))
+            return np.concatenate([arr, np.zeros(B - n, dtype)])
+
+        sampling = SamplingParams.make(
+            B, per_row(temperature, np.float32), per_row(top_k, np.int32), per_row(top_p, np.float32)
+        )
+        greedy_only = greedy_graph(sampling.temperature)
+        return n, B, stops, sampling, greedy_only, jnp.asarray(per_row(seed, np.uint32))
+
+    @staticmethod
+    def _emit(b, toks, gained, produced, done, stops, max_new_tokens):
+        """Append row b's new tokens to ``gained[b]`` until a stop token or ``max_new_tokens``."""
+        for tok in toks:
+            if done[b]:
+                return
+            gained[b].append(tok)
+            produced[b] += 1
+            if tok in stops or produced[b] >= max_new_tokens:
+                done[b] = True
+
+    def warmup(self, batch: int, prompt_len: int, max_new_tokens: int, *, greedy_only: bool = True) -> float:
+        """Compile, by running once on scratch inputs, every graph a request of this size will use: the
+        prefill buckets of the prompt and a decode step for each attention window its context crosses.
+        Returns the seconds spent."""
+        t0 = time.perf_counter()
+        greedy_only = greedy_graph(0.0 if greedy_only else 1.0)  # the graphs such requests call
+        B = bucket(batch, self.batch_buckets)
+        logits, cache = self.prefill([[0] * prompt_len] * B, B)
+        sampling = SamplingParams.make(B)
+        seeds = jnp.zeros(B, jnp.uint32)
+        # The first token comes from the same graph as in :meth:`stream` (so its placement matches too: with a
+        # mesh, a token array placed differently would compile the decode step again).
+        tokens = sample_jit(logits, sampling, seeds, jnp.full(B, prompt_len, jnp.int32), greedy_only=greedy_only)
+        first, last = self.window(prompt_len + 1), self.window(prompt_len + max_new_tokens)
+        for w in self.window_buckets:
+            if first <= w <= last:
+                pos = jnp.full(B, w - 1, jnp.int32)
+                tokens, cache = decode_step(
+                    self.params, cache, tokens, pos, seeds, sampling, cfg=self.cfg, greedy_only=greedy_only, window=w
+                )
+        jax.block_until_ready(tokens)
+        return time.perf_counter() - t0
+
+    def stream(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int = 128,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        seed=0,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> Iterator[list[list[int]]]:
+        """Yield, after each step, the tokens each prompt gained in that step (a list per prompt).
+
+        Sampling arguments are scalars or per-prompt sequences. A row that hits a stop token or its
+        ``max_new_tokens`` stops gaining tokens while the others go on (it keeps stepping, padded).
+        """
+        n, B, stops, sampling, greedy_only, seeds = self._request(
+            prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids
+        )
+        t0 = time.perf_counter()
+        logits, cache = self.prefill(prompts, B)
+        positions = np.array([len(p) for p in prompts] + [0] * (B - n), np.int32)
+        pending = sample_jit(logits, sampling, seeds, jnp.asarray(positions), greedy_only=greedy_only)
+        jax.block_until_ready(pending)
+        self.stats.prefill_s += time.perf_counter() - t0
+        done = np.zeros(B, bool)
+        done[n:] = True
+        produced = np.zeros(B, np.int32)
+        t_loop, t_caller = time.perf_counter(), 0.0
+        while True:
+            # Launch the next step before reading this step's tokens, so that the host's bookkeeping (and
+            # the caller's) overlaps the device's work. It is skipped when every live row is about to reach
+            # max_new_tokens; when all rows stop on a stop token instead, its result is dropped.
+            following = None
+            live = ~done
+            if np.any(live & (produced + 1 < max_new_tokens)):
+                # Finished rows keep feeding a token at a clamped position; their writes land past their
+                # output and are never read.
+                following, cache = decode_step(
+                    self.params,
+                    cache,
+                    pending,
+                    jnp.asarray(np.minimum(positions, self.num_slots - 1)),
+                    seeds,
+                    sampling,
+                    cfg=self.cfg,
+                    greedy_only=greedy_only,
+                    window=self.window(int(positions[live].max()) + 1),
+                )
+                positions += 1
+                self.stats.decode_steps += 1
+            tokens_host = np.asarray(pending)
+            gained = [[] for _ in range(n)]
+            for b in range(n):
+                self._emit(b, [int(tokens_host[b])], gained, produced, done, stops, max_new_tokens)
+            self.stats.new_tokens += sum(len(g) for g in gained)
+            t_yield = time.perf_counter()
+            yield gained
+            t_caller += time.perf_counter() - t_yield
+            if done.all():
+                self.stats.decode_s += time.perf_counter() - t_loop - t_caller
+                return
+            pending = following
+
+    def generate(self, prompts: Sequence[Sequence[int]], **kwargs) -> list[GenerationResult]:
+        """Run :meth:`stream` to the end; one :class:`GenerationResult` per prompt."""
+        out: list[list[int]] = [[] for _ in prompts]
+        for gained in self.stream(prompts, **kwargs):
+            for b, toks in enumerate(gained):
+                out[b].extend(toks)
+        stops = set(self.cfg.eos_token_ids if kwargs.get("stop_token_ids") is None else kwargs["stop_token_ids"])
+        return [GenerationResult(t, "stop" if t and t[-1] in stops else "length") for t in out]

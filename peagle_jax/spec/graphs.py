@@ -1,0 +1,111 @@
+"""The speculative step's device graphs besides the draft and the verify themselves.
+
+- :func:`fused_step`: draft (:func:`peagle_jax.drafter.draft.parallel_draft` or ``sequential_draft``) and
+  verify (:func:`peagle_jax.spec.verify.verify`) in one graph;
+- :func:`write_context`: the verified aux states into the next draft's context;
+- :func:`plain_step`: a plain step (K' = 0) inside speculative decoding: the target decodes each row's root
+  and its aux state joins the queued draft context;
+- :func:`flush_context`: the queued context elements into the drafter cache.
+
+Each is jitted once per shape bucket; counts are data, never shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from peagle_jax.drafter.draft import drafter_prefill, parallel_draft, sequential_draft
+from peagle_jax.spec.tree import chain
+from peagle_jax.spec.verify import verify
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("cfg", "dcfg", "tree", "sequential", "draft_window", "window", "greedy_only"),
+    donate_argnames=("cache", "dcache"),
+)
+def fused_step(
+    params,
+    cache,
+    dparams,
+    dcache,
+    ctx_tokens,
+    ctx_aux,
+    ctx_count,
+    ctx_start,
+    mask_g,
+    embed,
+    root,
+    q,
+    seeds,
+    sampling,
+    *,
+    cfg,
+    dcfg,
+    tree,
+    sequential,
+    draft_window,
+    window,
+    greedy_only,
+):
+    """Draft and verify in one graph (one device launch per step): the two jitted functions inline."""
+    kw = dict(cfg=dcfg, K=tree.depth, top_n=tree.width, window=draft_window)
+    if sequential:
+        draft, dcache = sequential_draft(dparams, dcache, ctx_tokens, ctx_aux, ctx_count, ctx_start, embed, **kw)
+    else:
+        draft, dcache = parallel_draft(dparams, dcache, ctx_tokens, ctx_aux, ctx_count, ctx_start, mask_g, embed, **kw)
+    out, cache = verify(
+        params,
+        cache,
+        root,
+        draft.tokens,
+        q,
+        seeds,
+        sampling,
+        cfg=cfg,
+        tree=tree,
+        window=window,
+        greedy_only=greedy_only,
+    )
+    return out, cache, dcache
+
+
+def _write_context(ctx_aux_BCX, aux_RWX, at_R, live_R):
+    """Write each live row r's W aux states (the first R rows) at its draft-context slots ``at[r] ..``; slots
+    outside them, and the rows that are not live, keep theirs. Selects, no scatter."""
+    R, W = aux_RWX.shape[:2]
+    rel_RC = jnp.arange(ctx_aux_BCX.shape[1])[None, :] - at_R[:, None]  # aux index of each context slot
+    take_RC1 = (live_R[:, None] & (rel_RC >= 0) & (rel_RC < W))[:, :, None]
+    src_RCX = jnp.take_along_axis(aux_RWX, jnp.clip(rel_RC, 0, W - 1)[:, :, None], axis=1)
+    new_RCX = jnp.where(take_RC1, src_RCX.astype(ctx_aux_BCX.dtype), ctx_aux_BCX[:R])
+    return jax.lax.dynamic_update_slice_in_dim(ctx_aux_BCX, new_RCX, 0, axis=0)
+
+
+write_context = jax.jit(_write_context, donate_argnums=0)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "window", "greedy_only"), donate_argnames=("cache", "ctx_aux"))
+def plain_step(params, cache, ctx_aux, root_R, q_R, at_R, live_R, seeds_R, sampling, *, cfg, window, greedy_only):
+    """A plain step inside speculative decoding, in one graph: the target decodes each row's root (the verify
+    of ``chain(0)``) and the root's aux state joins the row's pending draft context at slot ``at`` (live rows
+    of the first R; ``ctx_aux`` holds B >= R rows). Returns (next token [R], cache, ctx_aux)."""
+    none_R01 = jnp.zeros((root_R.shape[0], 0, 1), jnp.int32)
+    out, cache = verify(
+        params, cache, root_R, none_R01, q_R, seeds_R, sampling, cfg=cfg, tree=chain(0), window=window,
+        greedy_only=greedy_only,
+    )  # fmt: skip
+    return out.tokens[:, 0], cache, _write_context(ctx_aux, out.aux, at_R, live_R)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "window"), donate_argnames=("dcache", "ctx_aux"))
+def flush_context(dparams, dcache, ctx_tokens_RC, ctx_aux, start_R, last_R, move_R, embed, *, cfg, window):
+    """:meth:`SpeculativeGenerator.make_room` in one graph: the first R rows' C context slots go into the
+    drafter cache at slots ``start ..``, and in each ``move`` row the last pending element (slot ``last``)
+    moves to slot 0."""
+    R = ctx_tokens_RC.shape[0]
+    dcache = drafter_prefill(dparams, dcache, ctx_tokens_RC, ctx_aux[:R], start_R, embed, cfg=cfg, window=window)
+    keep_R1X = jnp.take_along_axis(ctx_aux[:R], last_R[:, None, None], axis=1)
+    return dcache, _write_context(ctx_aux, keep_R1X, jnp.zeros(R, jnp.int32), move_R)

@@ -1,0 +1,146 @@
+"""Host state between speculative steps: each row's committed length, root and queued draft context
+(:class:`SpecState`), the counters of a run (:class:`SpecStats`), and the context and cache sizes a step
+needs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from peagle_jax.spec.graphs import write_context
+from peagle_jax.spec.tree import Tree
+
+
+def host_copy(x: np.ndarray) -> jax.Array:
+    """A device array of a host array that will change while a graph launched on it may still run: on the
+    CPU, ``jnp.asarray`` (and ``jnp.array``'s copy, itself launched asynchronously) may read the host buffer
+    in place, so it is copied on the host first."""
+    return jnp.asarray(np.array(x, copy=True))
+
+
+QUEUE = 16  # context elements plain steps may queue before one flush_context writes them (at least K + 1)
+
+
+def queue_slots(K: int) -> int:
+    """Context slots of a generator drafting K deep: the K + 1 a draft reads, or more, so that runs of plain
+    steps write the drafter cache once per ``QUEUE`` steps (a drafter forward over 16 elements costs about
+    what one over 4 costs on a CPU) rather than once per K + 1."""
+    return max(K + 1, QUEUE)
+
+
+def cache_slack(tree: Tree) -> int:
+    """Cache slots a step may write past the committed length: the root + tree nodes (verify), the K - 1
+    mask slots past the context (draft) with room to spare, and a flush of the queued context."""
+    return max(tree.size + 2 * tree.depth + 2, queue_slots(tree.depth))
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Counters over everything generated so far (all rows)."""
+
+    target_forwards: int = 0  # verify calls x live rows (prefill excluded)
+    plain_forwards: int = 0  # plain steps (no draft, see SlotEngine's adaptive K) x live rows: not in the above
+    emitted: int = 0  # tokens emitted by those verify calls
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)  # drafts accepted at depth k
+    draft_s: float = 0.0  # only with time_draft; otherwise (and with --fused) counted as verify
+    verify_s: float = 0.0
+    host_s: float = 0.0
+    steps: int = 0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens emitted per target forward (1 + accepted drafts)."""
+        return self.emitted / self.target_forwards if self.target_forwards else 0.0
+
+    def reset(self) -> None:
+        """Zero every counter in place (others, e.g. the server's /metrics, hold this object)."""
+        self.__dict__.update(type(self)(accepted_per_position=[0] * len(self.accepted_per_position)).__dict__)
+
+
+@dataclasses.dataclass
+class SpecState:
+    """Per-row host state between speculative steps (B rows, Q >= K + 1 context slots, see :func:`queue_slots`).
+
+    ``q`` is the position of each row's root (its last committed token, not yet in the target cache) and
+    ``root`` that token; the drafter's next context is the ``ctx_count`` elements committed since the last
+    draft or flush (``ctx_tokens`` [B, Q] with their target aux states ``ctx_aux`` [B, Q, X]), the first at
+    drafter position ``ctx_start`` (``q - ctx_count``); a draft reads the first K + 1 slots (a flush
+    first where more are queued). A row that is not live keeps its state, so it idles in place.
+
+    ``synced`` [B]: whether the row's drafter cache holds its whole committed context. A row the slot engine
+    decodes plainly under load may skip the drafter's work (:meth:`desync`); its drafts are then guesses
+    from a stale context, which verification makes harmless (outputs never depend on the drafts) but which
+    are not accepted often, so the engine's policy does not learn from them and counts only synced rows.
+    """
+
+    ctx_tokens: np.ndarray
+    ctx_aux: jax.Array
+    ctx_count: np.ndarray
+    ctx_start: np.ndarray
+    q: np.ndarray
+    root: np.ndarray
+    synced: np.ndarray
+
+    @classmethod
+    def start(cls, first_B, last_aux_BX, lengths_B, C: int) -> SpecState:
+        """After the prefill: one context element per row (the first token with the aux of the last prompt
+        position), at drafter position ``length - 1``; the root is the first token at ``length``."""
+        B = len(first_B)
+        ctx_tokens = np.zeros((B, C), np.int32)
+        ctx_tokens[:, 0] = first_B
+        ctx_aux = jnp.zeros((B, C, last_aux_BX.shape[-1]), last_aux_BX.dtype).at[:, 0].set(last_aux_BX)
+        lengths = np.asarray(lengths_B, np.int32)
+        first = np.asarray(first_B).copy()
+        return cls(ctx_tokens, ctx_aux, np.ones(B, np.int32), lengths - 1, lengths.copy(), first, np.ones(B, bool))
+
+    def rows(self, R: int) -> SpecState:
+        """The first R rows (views of the host arrays; ``ctx_aux`` sliced when R < B)."""
+        if R == len(self.q):
+            return self
+        s = self
+        views = (s.ctx_tokens, s.ctx_aux, s.ctx_count, s.ctx_start, s.q, s.root, s.synced)
+        return SpecState(*(x[:R] for x in views))
+
+    def advance(self, tokens_RC, count_R, aux_RWX, live_R) -> None:
+        """Commit a draft -> verify step's output for the live rows among the first R (= ``len(count_R)``);
+        the others stay in place. ``aux_RWX``: the verify's aux states, W = K' + 1 <= C."""
+        R, live_R = len(count_R), np.asarray(live_R, bool)
+        self.ctx_start[:R] = np.where(live_R, self.q[:R], self.ctx_start[:R])
+        self.q[:R] += np.where(live_R, count_R, 0).astype(np.int32)
+        last_R = tokens_RC[np.arange(R), np.maximum(count_R - 1, 0)]
+        self.root[:R] = np.where(live_R, last_R, self.root[:R])
+        C = tokens_RC.shape[1]
+        self.ctx_tokens[:R, :C] = np.where(live_R[:, None], tokens_RC, self.ctx_tokens[:R, :C])
+        self.ctx_count[:R] = np.where(live_R, count_R, self.ctx_count[:R])
+        # Host arguments: an eager jnp.zeros would be a device op of its own (~0.4 ms on the CPU, every step).
+        self.ctx_aux = write_context(self.ctx_aux, aux_RWX, np.zeros(R, np.int32), live_R)
+
+    def advance_plain(self, live_R) -> np.ndarray:
+        """A plain step (:func:`plain_step`, which writes the root's aux state at slot ``ctx_count``) was
+        launched: each live row (among the first R = ``len(live_R)``) moves on one position and one context
+        element. Its new token, paired with that aux state, is filled in by :meth:`commit_plain` once read (a
+        following plain step may be launched before). Returns each row's context slot for it [R]."""
+        at_R = self.ctx_count[: len(live_R)].copy()
+        rows = np.flatnonzero(live_R)
+        self.ctx_count[rows] += 1
+        self.q[rows] += 1
+        return at_R
+
+    def desync(self, rows, keep: int) -> None:
+        """Stop keeping the drafter current for ``rows`` (indices): their queued context is dropped but for
+        ``keep`` >= 1 elements (a draft reads at least one), with no drafter work; their later drafts run on
+        a stale context until the slot engine re-seeds the drafter
+        (:meth:`peagle_jax.serve.slots.SlotEngine._resync`, a prefill of the row's tokens)."""
+        self.synced[rows] = False
+        self.ctx_count[rows] = np.minimum(self.ctx_count[rows], keep)
+        self.ctx_start[rows] = self.q[rows] - self.ctx_count[rows]
+
+    def commit_plain(self, tokens_R, at_R, live_R) -> None:
+        """The read tokens of a plain step join the live rows' context (at slots ``at_R``) and become their
+        roots."""
+        rows = np.flatnonzero(live_R)
+        self.ctx_tokens[rows, at_R[rows]] = tokens_R[rows]
+        self.root[rows] = tokens_R[rows]
