@@ -170,13 +170,13 @@ def test_plain_runs_overlap_the_host_and_keep_every_token():
     plain = Generator(CFG, params, max_seq_len=MAX_SEQ)
     spec = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, max_seq_len=MAX_SEQ, adaptive=True)
     overlapped = []
-    launch = spec._launch_plain
+    launch = spec.launch_plain
 
     def spy(*args, root=None, **kw):
         overlapped.append(root is not None)
         return launch(*args, root=root, **kw)
 
-    spec._launch_plain = spy
+    spec.launch_plain = spy
     script = [0] * 18 + [3, 0, 0, 1] + [0] * 5 + [3, 3]
     # Greedy with stop token 4: row 2 stops after 2 tokens, row 1 after 27, row 0 after 36 (of 6 ids).
     for kw in (dict(temperature=0.0, stop_token_ids=[4]), dict(temperature=0.9, top_p=0.9, seed=4)):

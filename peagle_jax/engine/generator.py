@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from peagle_jax.engine.buckets import BATCH_BUCKETS, ONE_ROW_PAD, PREFILL_BUCKETS, WINDOW_BUCKETS, bucket
+from peagle_jax.engine.overlap import Launched, launch_then_read
 from peagle_jax.errors import UserError
 from peagle_jax.models import model
 from peagle_jax.models.config import ModelConfig
@@ -93,7 +94,9 @@ class Generator:
         self.window_buckets = tuple(w for w in WINDOW_BUCKETS if w < max_seq_len) + (self.num_slots,)
         self.stats = StepStats()
 
-    def _check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    def check_request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+        """Raise :class:`RequestError` when these prompts cannot be generated from (empty, too long, ids
+        outside the vocabulary, more than the largest batch bucket)."""
         if not prompts:
             raise RequestError("no prompts given")
         if len(prompts) > self.batch_buckets[-1]:
@@ -163,7 +166,7 @@ class Generator:
     def _request(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids):
         """Check a request and lay out its per-row arrays over the batch bucket: (n, B, stop ids, sampling
         params, whether every row is greedy, seeds)."""
-        self._check(prompts, max_new_tokens)
+        self.check_request(prompts, max_new_tokens)
         n = len(prompts)
         B = bucket(n, self.batch_buckets)
         stops = set(self.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
@@ -202,13 +205,23 @@ class Generator:
         # The first token comes from the same graph as in :meth:`stream` (so its placement matches too: with a
         # mesh, a token array placed differently would compile the decode step again).
         tokens = sample_jit(logits, sampling, seeds, jnp.full(B, prompt_len, jnp.int32), greedy_only=greedy_only)
-        first, last = self.window(prompt_len + 1), self.window(prompt_len + max_new_tokens)
-        for w in self.window_buckets:
-            if first <= w <= last:
-                pos = jnp.full(B, w - 1, jnp.int32)
-                tokens, cache = decode_step(
-                    self.params, cache, tokens, pos, seeds, sampling, cfg=self.cfg, greedy_only=greedy_only, window=w
-                )
+        from peagle_jax.spec.plan import step_keys, windows_between
+        from peagle_jax.spec.tree import chain
+
+        windows = windows_between(self.window_buckets, prompt_len + 1, prompt_len + max_new_tokens)
+        for key in step_keys([B], [chain(0)], windows, [greedy_only]):
+            pos = jnp.full(B, key.window - 1, jnp.int32)
+            tokens, cache = decode_step(
+                self.params,
+                cache,
+                tokens,
+                pos,
+                seeds,
+                sampling,
+                cfg=self.cfg,
+                greedy_only=greedy_only,
+                window=key.window,
+            )
         jax.block_until_ready(tokens)
         return time.perf_counter() - t0
 
@@ -234,36 +247,41 @@ class Generator:
         t0 = time.perf_counter()
         logits, cache = self.prefill(prompts, B)
         positions = np.array([len(p) for p in prompts] + [0] * (B - n), np.int32)
-        pending = sample_jit(logits, sampling, seeds, jnp.asarray(positions), greedy_only=greedy_only)
-        jax.block_until_ready(pending)
+        first = sample_jit(logits, sampling, seeds, jnp.asarray(positions), greedy_only=greedy_only)
+        jax.block_until_ready(first)
         self.stats.prefill_s += time.perf_counter() - t0
         done = np.zeros(B, bool)
         done[n:] = True
+        pending = Launched(first, ~done)
         produced = np.zeros(B, np.int32)
         t_loop, t_caller = time.perf_counter(), 0.0
-        while True:
-            # Launch the next step before reading this step's tokens, so that the host's bookkeeping (and
-            # the caller's) overlaps the device's work. It is skipped when every live row is about to reach
-            # max_new_tokens; when all rows stop on a stop token instead, its result is dropped.
-            following = None
+
+        def launch(tokens_B) -> Launched:
+            # Finished rows keep feeding a token at a clamped position; their writes land past their output
+            # and are never read.
+            nonlocal cache
             live = ~done
-            if np.any(live & (produced + 1 < max_new_tokens)):
-                # Finished rows keep feeding a token at a clamped position; their writes land past their
-                # output and are never read.
-                following, cache = decode_step(
-                    self.params,
-                    cache,
-                    pending,
-                    jnp.asarray(np.minimum(positions, self.num_slots - 1)),
-                    seeds,
-                    sampling,
-                    cfg=self.cfg,
-                    greedy_only=greedy_only,
-                    window=self.window(int(positions[live].max()) + 1),
-                )
-                positions += 1
-                self.stats.decode_steps += 1
-            tokens_host = np.asarray(pending)
+            next_B, cache = decode_step(
+                self.params,
+                cache,
+                tokens_B,
+                jnp.asarray(np.minimum(positions, self.num_slots - 1)),
+                seeds,
+                sampling,
+                cfg=self.cfg,
+                greedy_only=greedy_only,
+                window=self.window(int(positions[live].max()) + 1),
+            )
+            positions[:] += 1
+            self.stats.decode_steps += 1
+            return Launched(next_B, live)
+
+        while True:
+            # The next step is launched before this step's tokens are read (engine.overlap). It is skipped
+            # when every live row is about to reach max_new_tokens; when all rows stop on a stop token
+            # instead, its result is dropped.
+            wants = np.any(~done & (produced + 1 < max_new_tokens))
+            tokens_host, following = launch_then_read(pending, launch if wants else None)
             gained = [[] for _ in range(n)]
             for b in range(n):
                 self._emit(b, [int(tokens_host[b])], gained, produced, done, stops, max_new_tokens)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import numpy as np
@@ -27,12 +26,16 @@ import numpy as np
 @dataclasses.dataclass
 class Launched:
     """A step launched and not read yet: each row's next token on the device (``tokens`` [R]), the rows
-    whose token counts (``live`` [R]), the loop's own bookkeeping for it (``extra``) and the launch time."""
+    whose token counts (``live`` [R]), the launch time, and the loop's bookkeeping for it: in speculative
+    decoding each row's draft-context slot for its token (``at`` [R], see
+    :meth:`peagle_jax.spec.state.SpecState.advance_plain`), in the serving engine the request each row held
+    at launch (``ids``)."""
 
     tokens: jax.Array
     live: np.ndarray
-    extra: Any = None
     t_launch: float = dataclasses.field(default_factory=time.perf_counter)
+    at: np.ndarray | None = None
+    ids: list[int | None] | None = None
 
     @property
     def R(self) -> int:

@@ -4,9 +4,10 @@ A graph is one jitted entry point with its static arguments bound and its inputs
 ``jax.ShapeDtypeStruct``: exporting needs shapes only, so a full-size model is exported without its
 weights in memory (parameters come from ``jax.eval_shape`` of the initialiser).
 
-The set mirrors what :class:`peagle_jax.engine.generator.Generator` and
-:class:`peagle_jax.spec.generator.SpeculativeGenerator` can call with these buckets, derived with their own
-bucket logic (cache slots, window buckets): for each batch bucket B,
+The set is what :class:`peagle_jax.engine.generator.Generator` and
+:class:`peagle_jax.spec.generator.SpeculativeGenerator` can call with these buckets: the step keys and
+prefill chunks come from :mod:`peagle_jax.spec.plan`, which their warm-ups enumerate too, and the cache
+slots and window buckets from a generator built with these buckets. For each batch bucket B,
 
 - plain decoding: ``prefill`` per (prompt bucket, attention window) a chunked prompt can reach, the
   first-token ``sample``, ``decode_step`` per window (greedy and, with ``sampling``, sampling);
@@ -40,8 +41,8 @@ from peagle_jax.models.config import ModelConfig
 from peagle_jax.neuron.buckets import ServingBuckets
 from peagle_jax.sampling import SamplingParams
 from peagle_jax.sharding import AXIS, CACHE_SPEC, check_tp, param_shardings
-from peagle_jax.spec.adaptive import step_trees
 from peagle_jax.spec.graphs import flush_context, fused_step, plain_step, write_context
+from peagle_jax.spec.plan import prefill_keys, serving_trees, step_keys, windows_up_to
 from peagle_jax.spec.state import cache_slack, queue_slots
 from peagle_jax.spec.tree import Tree, chain, parse_tree
 from peagle_jax.spec.verify import verify
@@ -95,20 +96,6 @@ def abstract_mesh(tp: int):
     return AbstractMesh((tp,), (AXIS,), axis_types=(AxisType.Auto,))
 
 
-def _prefill_windows(gen: Generator, max_seq_len: int) -> list[tuple[int, int]]:
-    """(prompt bucket T, window) pairs a chunked prefill can call (see ``Generator.prefill``)."""
-    chunk = gen.prefill_buckets[-1]
-    pairs = set()
-    for start in range(0, max_seq_len, chunk):
-        for T in gen.prefill_buckets:
-            pairs.add((T, gen.window(start + T)))
-    return sorted(pairs)
-
-
-def _windows_up_to(gen: Generator, n: int) -> list[int]:
-    return [w for w in gen.window_buckets if w <= gen.window(n)]
-
-
 def tree_name(tree: Tree) -> str:
     return f"chain{tree.depth}" if tree.is_chain else f"tree{tree.size}d{tree.depth}w{tree.width}"
 
@@ -133,32 +120,22 @@ def plain_graphs(cfg, params, buckets: ServingBuckets, mesh=None) -> list[Graph]
         batch_buckets=buckets.batch_buckets,
     )
     S, V = gen.num_slots, cfg.vocab_size
-    greedy_modes = (True, False) if buckets.sampling else (True,)
+    modes = (True, False) if buckets.sampling else (True,)
     out = []
     for B in gen.batch_buckets:
         cache = _cache(cfg, B, S, mesh)
         ints = sds((B,), jnp.int32)
-        for T, W in _prefill_windows(gen, buckets.max_seq_len):
+        for T, W in prefill_keys(gen.prefill_buckets, gen.window_buckets, buckets.max_seq_len):
             out.append(_prefill_graph(cfg, params, cache, B, S, T, W))
-        for g in greedy_modes:
+        for g in modes:
             mode = "greedy" if g else "sampling"
-            out.append(
-                Graph(
-                    f"sample_b{B}_{mode}",
-                    sample_jit,
-                    (sds((B, V), jnp.float32), _sampling(B), sds((B,), jnp.uint32), ints),
-                    dict(greedy_only=g),
-                )
-            )
-            for W in _windows_up_to(gen, buckets.max_seq_len):
-                out.append(
-                    Graph(
-                        f"decode_b{B}_s{S}_w{W}_{mode}",
-                        decode_step,
-                        (params, cache, ints, ints, sds((B,), jnp.uint32), _sampling(B)),
-                        dict(cfg=cfg, greedy_only=g, window=W),
-                    )
-                )
+            args = (sds((B, V), jnp.float32), _sampling(B), sds((B,), jnp.uint32), ints)
+            out.append(Graph(f"sample_b{B}_{mode}", sample_jit, args, dict(greedy_only=g)))
+        for key in step_keys([B], [chain(0)], windows_up_to(gen.window_buckets, buckets.max_seq_len), modes):
+            mode, W = "greedy" if key.greedy_only else "sampling", key.window
+            args = (params, cache, ints, ints, sds((B,), jnp.uint32), _sampling(B))
+            static = dict(cfg=cfg, greedy_only=key.greedy_only, window=W)
+            out.append(Graph(f"decode_b{B}_s{S}_w{W}_{mode}", decode_step, args, static))
     return out
 
 
@@ -180,21 +157,21 @@ def speculative_graphs(cfg, params, dcfg, dparams, buckets: ServingBuckets, tree
     dt = cfg.jnp_dtype
     embed = None if dcfg.own_embedding else params["embed_tokens"]
     mask_g = sds((dcfg.hidden_size,), dcfg.layer.jnp_dtype) if dcfg.parallel else None
-    draft_windows = _windows_up_to(gen, buckets.max_seq_len + 2 * K + 1)
-    steps = list(step_trees(tree).values()) if buckets.adaptive else [tree]
+    draft_windows = windows_up_to(gen.window_buckets, buckets.max_seq_len + 2 * K + 1)
+    steps = serving_trees(tree, adaptive=buckets.adaptive)
     kinds = (["parallel"] if dcfg.parallel else []) + (["sequential"] if buckets.sequential else [])
     out = []
     for B in gen.batch_buckets:
         cache, dcache = _cache(cfg, B, S, mesh), _dcache(dcfg, B, S, mesh)
         ints = sds((B,), jnp.int32)
         ctx = (sds((B, C), jnp.int32), sds((B, Q, X), dt), ints, ints)  # a draft reads C of the Q aux slots
-        prefills = _prefill_windows(gen, buckets.max_seq_len)
+        prefills = prefill_keys(gen.prefill_buckets, gen.window_buckets, buckets.max_seq_len)
         out += [_prefill_graph(cfg, params, cache, B, S, T, W) for T, W in prefills]
         for T, W in prefills:
             args = (dparams, dcache, sds((B, T), jnp.int32), sds((B, T, X), dt), ints, embed)
             out.append(Graph(f"drafter_prefill_b{B}_s{S}_t{T}_w{W}", drafter_prefill, args, dict(cfg=dcfg, window=W)))
         if buckets.adaptive:  # make_room: the Q queued context elements, at any window they can reach
-            for W in _windows_up_to(gen, buckets.max_seq_len + Q):
+            for W in windows_up_to(gen.window_buckets, buckets.max_seq_len + Q):
                 args = (dparams, dcache, sds((B, Q), jnp.int32), ctx[1], ints, ints, sds((B,), jnp.bool_), embed)
                 name = f"flush_context_b{B}_s{S}_c{Q}_w{W}"
                 out.append(Graph(name, flush_context, args, dict(cfg=dcfg, window=W)))
@@ -228,30 +205,33 @@ def _step_graphs(cfg, params, dcfg, dparams, buckets, gen, step: Tree, B, caches
     C, Q = ctx[0].shape[1], ctx[1].shape[1]  # the draft's context slots, the queue's
     embed = None if dcfg.own_embedding else params["embed_tokens"]
     mask_g = sds((dcfg.hidden_size,), dcfg.layer.jnp_dtype) if dcfg.parallel else None
-    verify_windows = _windows_up_to(gen, buckets.max_seq_len + step.size + 1)
+    verify_windows = windows_up_to(gen.window_buckets, buckets.max_seq_len + step.size + 1)
     out = []
-    for g in (True, False) if buckets.sampling else (True,):
+    modes = (True, False) if buckets.sampling else (True,)
+    drafts = sds((B, step.depth, step.width), jnp.int32)
+    verify_args = (params, cache, ints, drafts, ints, sds((B,), jnp.uint32), _sampling(B))
+    for key in step_keys([B], [step], verify_windows, modes):
+        g, W = key.greedy_only, key.window
         mode = "greedy" if g else "sampling"
-        drafts = sds((B, step.depth, step.width), jnp.int32)
-        verify_args = (params, cache, ints, drafts, ints, sds((B,), jnp.uint32), _sampling(B))
-        for W in verify_windows:
-            if not step.depth:  # the target decodes the root; its aux state joins the draft context
-                args = (params, cache, ctx[1], ints, ints, ints, sds((B,), jnp.bool_), *verify_args[-2:])
-                static = dict(cfg=cfg, window=W, greedy_only=g)
-                out.append(Graph(f"plain_b{B}_s{S}_c{Q}_w{W}_{mode}", plain_step, args, static))
-                continue
-            static = dict(cfg=cfg, tree=step, window=W, greedy_only=g)
-            out.append(Graph(f"verify_b{B}_s{S}_{tn}_w{W}_{mode}", verify, verify_args, static))
-        if not buckets.fused or not step.depth:
+        if not step.depth:  # the target decodes the root; its aux state joins the draft context
+            args = (params, cache, ctx[1], ints, ints, ints, sds((B,), jnp.bool_), *verify_args[-2:])
+            static = dict(cfg=cfg, window=W, greedy_only=g)
+            out.append(Graph(f"plain_b{B}_s{S}_c{Q}_w{W}_{mode}", plain_step, args, static))
             continue
-        # The fused step runs both halves at one window, the larger of the two (see speculative.py).
-        for W in sorted(set(draft_windows) | set(verify_windows)):
-            for kind in kinds:
-                seq = kind == "sequential"
-                args = (params, cache, dparams, dcache, *ctx, None if seq else mask_g, embed, ints, ints)
-                args += (sds((B,), jnp.uint32), _sampling(B))
-                static = dict(cfg=cfg, dcfg=dcfg, tree=step, sequential=seq, draft_window=W, window=W, greedy_only=g)
-                out.append(Graph(f"fused_{kind}_b{B}_s{S}_c{C}_{tn}_w{W}_{mode}", fused_step, args, static))
+        static = dict(cfg=cfg, tree=step, window=W, greedy_only=g)
+        out.append(Graph(f"verify_b{B}_s{S}_{tn}_w{W}_{mode}", verify, verify_args, static))
+    if not buckets.fused or not step.depth:  # a plain step is never fused
+        return out
+    # The fused step runs both halves at one window, the larger of the two (SpeculativeGenerator.step).
+    for key in step_keys([B], [step], sorted(set(draft_windows) | set(verify_windows)), modes):
+        g, W = key.greedy_only, key.window
+        mode = "greedy" if g else "sampling"
+        for kind in kinds:
+            seq = kind == "sequential"
+            args = (params, cache, dparams, dcache, *ctx, None if seq else mask_g, embed, ints, ints)
+            args += (sds((B,), jnp.uint32), _sampling(B))
+            static = dict(cfg=cfg, dcfg=dcfg, tree=step, sequential=seq, draft_window=W, window=W, greedy_only=g)
+            out.append(Graph(f"fused_{kind}_b{B}_s{S}_c{C}_{tn}_w{W}_{mode}", fused_step, args, static))
     return out
 
 

@@ -44,11 +44,13 @@ import numpy as np
 
 from peagle_jax.drafter.model import new_drafter_cache
 from peagle_jax.engine.generator import Generator, RequestError, decode_step, sample_jit
+from peagle_jax.engine.overlap import Launched, launch_then_read
 from peagle_jax.models import model
 from peagle_jax.platform import MapBudget
 from peagle_jax.sampling import SamplingParams, check_sampling_args, greedy_graph, greedy_modes
 from peagle_jax.spec.adaptive import CALIBRATION_STEPS, adaptive_policy
 from peagle_jax.spec.generator import SpeculativeGenerator
+from peagle_jax.spec.plan import serving_trees, step_keys
 from peagle_jax.spec.state import SpecState, host_copy
 from peagle_jax.spec.tree import Tree, chain
 
@@ -96,23 +98,6 @@ def merge_roots(fresh_R, host_R, device_R):
     """The tokens a plain step feeds: the host's for the ``fresh`` rows (admitted since the last launch),
     else the previous step's unread output."""
     return jnp.where(fresh_R, host_R, device_R)
-
-
-@dataclasses.dataclass
-class _Launched:
-    """A plain step launched and not read yet: each row's next token on the device, the rows whose token
-    counts (``live``, [R]) and the request each held at launch, the context slots of the tokens (speculative
-    engine: :meth:`SpecState.advance_plain`) and the launch time."""
-
-    next_R: jax.Array
-    live: np.ndarray
-    ids: list[int | None]
-    at: np.ndarray | None
-    t_launch: float
-
-    @property
-    def R(self) -> int:
-        return len(self.live)
 
 
 @functools.partial(jax.jit, donate_argnames=("big",))
@@ -224,7 +209,7 @@ class SlotEngine:
             self.pending = np.zeros(B, np.int32)  # the token each row feeds next, at ``positions``
             self.positions = np.zeros(B, np.int32)
         self.slots = [None] * B
-        self._launched: _Launched | None = None  # a plain step not read yet
+        self._launched: Launched | None = None  # a plain step not read yet
         self._chosen: tuple[int, Tree] | None = None  # (rows, tree) chosen while it ran, for the next step
         self._t_read = self._t_admit = 0.0  # when a step's tokens were last read; when a request was admitted
 
@@ -240,7 +225,7 @@ class SlotEngine:
 
     def check(self, req: SlotRequest) -> None:
         """Raise :class:`RequestError` when the request cannot be served (too long, bad ids or parameters)."""
-        self.gen._check([req.prompt], req.max_new_tokens)
+        self.gen.check_request([req.prompt], req.max_new_tokens)
         try:
             check_sampling_args(req.temperature, req.top_k, req.top_p)
         except ValueError as err:
@@ -411,15 +396,20 @@ class SlotEngine:
         wants = self._wants(valid, live)[:R]
         flush = self.speculative and self.gen.needs_flush(self.state, R, lazy=self._lazy(R))
         flush = flush or self._resync_row(R) is not None
+        launch_next = None
         if not following.depth and wants.any() and launched.R == R and not flush:
             fresh = wants & ~valid
             host = self.state.root[:R] if self.speculative else self.pending[:R]
-            root = merge_roots(host_copy(fresh), host_copy(host), launched.next_R) if fresh.any() else launched.next_R
-            self._launched = self._launch(wants, root=root)
-            self.overlapped += 1
+
+            def launch_next(tokens_R):
+                root = merge_roots(host_copy(fresh), host_copy(host), tokens_R) if fresh.any() else tokens_R
+                self.overlapped += 1
+                return self._launch(wants, root=root)
+
         else:
             self._chosen = (R, following)
-        return self._read(launched, record=True, valid=valid)
+        next_R, self._launched = launch_then_read(launched, launch_next)  # engine.overlap
+        return self._read(launched, record=True, valid=valid, next_R=next_R)
 
     def _choose(self, R: int) -> Tree:
         """The tree of the next step over R rows (depth 0: a plain step); a choice made while the last plain
@@ -439,7 +429,7 @@ class SlotEngine:
         """Whether plain steps over R rows leave the drafter behind (see :attr:`lazy`): drafting does not pay."""
         return self.lazy and not self.policy.pays(R)
 
-    def _valid(self, launched: _Launched) -> np.ndarray:
+    def _valid(self, launched: Launched) -> np.ndarray:
         """The rows of a launched step whose token counts: live at launch and still holding that request."""
         return np.array(
             [
@@ -456,18 +446,20 @@ class SlotEngine:
         left = [s.request.max_new_tokens - s.produced if s is not None else 0 for s in self.slots]
         return np.array([live[b] and gains[b] < left[b] for b in range(self.B)])
 
-    def _launch(self, live_R, root=None) -> _Launched:
+    def _launch(self, live_R, root=None) -> Launched:
         """Launch a plain step over the first R = ``len(live_R)`` rows without waiting for it; ``root`` [R]:
         the tokens to feed (on the device), by default the host's."""
         gen, R = self.gen, len(live_R)
         sampling, seeds = self._sampling(R)
         greedy_only = greedy_graph(self.temperature[:R][live_R])
-        at = None
+        ids = [self.slots[b].request.id if live_R[b] else None for b in range(R)]
         if self.speculative:
-            next_R, at, self.cache, self.dcache = gen._launch_plain(
+            launched, self.cache, self.dcache = gen.launch_plain(
                 self.cache, self.dcache, self.state, seeds, sampling, greedy_only, live_R, root, self._lazy(R)
             )
+            launched.ids = ids
         else:
+            t0 = time.perf_counter()
             positions = self.positions[:R]
             next_R, self.cache = decode_step(
                 gen.params,
@@ -481,20 +473,19 @@ class SlotEngine:
                 window=gen.window(int(positions[live_R].max()) + 1),
             )
             positions += live_R.astype(np.int32)  # in place: the first R of self.positions
+            launched = Launched(next_R, np.array(live_R, bool), t0, ids=ids)
         self.steps_by_k[0] = self.steps_by_k.get(0, 0) + 1
-        ids = [self.slots[b].request.id if live_R[b] else None for b in range(R)]
-        return _Launched(next_R, np.array(live_R, bool), ids, at, time.perf_counter())
+        return launched
 
-    def _read(self, launched: _Launched, record: bool, valid=None) -> list[SlotEvent]:
+    def _read(self, launched: Launched, record: bool, valid=None, next_R=None) -> list[SlotEvent]:
         """Read a launched plain step's tokens, commit them for its valid rows (:meth:`_valid`, unless given)
         and emit their events; its time goes to the policy (:meth:`_record`)."""
-        next_R = np.asarray(launched.next_R)
+        next_R = np.asarray(launched.tokens) if next_R is None else next_R
         now = time.perf_counter()
-        start = max(launched.t_launch, self._t_read)
         valid = self._valid(launched) if valid is None else valid
         if self.speculative:
             self.state.commit_plain(next_R, launched.at, valid)
-            self.gen.spec.verify_s += now - start
+            self.gen.spec.verify_s += launched.device_seconds(self._t_read, now)
         else:
             self.pending[: launched.R] = np.where(valid, next_R, self.pending[: launched.R])
         self._record(launched.R, 0, now, learn=record)
@@ -533,16 +524,17 @@ class SlotEngine:
         chunk = gen.prefill_buckets[-1]
         starts = range(0, gen.max_seq_len - 1, chunk)
         lengths = sorted({min(start + T, gen.max_seq_len - 1) for start in starts for T in gen.prefill_buckets})
-        windows = gen.window_buckets
-        trees = [None] + [t for _, t in self.load_trees]
-        if self.policy is not None:
-            trees = list(gen.choices.values())
+        trees = serving_trees(
+            gen.tree if self.speculative else None,
+            adaptive=self.policy is not None,
+            load_trees=[t for _, t in self.load_trees],
+        )
         # Greedy and sampling batches: one graph each where graphs cannot branch, else one for both
         # (sampling.greedy_graph). Each prefill bucket once (greedy); where the first-token sampler has a
         # sampling variant, it once (it does not depend on the prompt length).
-        temperatures = [0.0 if greedy else 1.0 for greedy in greedy_modes()]
-        admits = [(L, 0.0) for L in lengths] + [(lengths[0], 1.0)] * (len(temperatures) - 1)
-        graphs = len(admits) + len(temperatures) * len(windows) * len(trees) * len(self.row_buckets)
+        keys = step_keys(self.row_buckets, trees, gen.window_buckets, greedy_modes())
+        admits = [(L, 0.0) for L in lengths] + [(lengths[0], 1.0)] * (len(greedy_modes()) - 1)
+        graphs = len(admits) + len(keys)
         calibration = len(self.row_buckets) * len(gen.choices) * CALIBRATION_STEPS if self.policy else 0
         total = graphs + calibration  # the calibration's timed steps compile nothing: not in the budget
         budget = MapBudget(graphs, f"{self.B} slots x {gen.max_seq_len} tokens ({self.describe()})")
@@ -563,13 +555,10 @@ class SlotEngine:
             ev = self.admit(SlotRequest([0] * L, 1, temperature=t, stop_token_ids=[]))
             assert ev.finish_reason == "length"
             advance()
-        # Step graphs: one live row placed so that the step's window is w, in each sampling mode.
-        for rows in self.row_buckets:
-            for tree in trees:
-                for w in windows:
-                    for t in temperatures:
-                        self._warm_step(w, t, tree, slot=rows - 1)
-                        advance()
+        # Step graphs: one live row (the last of the row bucket) placed so that the step's window is the key's.
+        for key in keys:
+            self._warm_step(key.window, 0.0 if key.greedy_only else 1.0, key.tree, slot=key.rows - 1)
+            advance()
         for rows in self.row_buckets:  # the root merge of an overlapped plain step (admissions since its launch)
             merge_roots(*(jnp.zeros(rows, dt) for dt in (bool, np.int32, np.int32)))
         if self.policy is not None:  # the steps above compiled: their times and acceptance mean nothing

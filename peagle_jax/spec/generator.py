@@ -28,10 +28,12 @@ from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.draft import drafter_prefill, fused_mask_hidden, parallel_draft, sequential_draft
 from peagle_jax.drafter.model import new_drafter_cache
 from peagle_jax.engine.generator import Generator, RequestError, sample_jit
+from peagle_jax.engine.overlap import Launched, launch_then_read
 from peagle_jax.models.config import ModelConfig
 from peagle_jax.sampling import SamplingParams, greedy_graph
 from peagle_jax.spec.adaptive import AdaptiveK, adaptive_policy, step_trees
 from peagle_jax.spec.graphs import flush_context, fused_step, plain_step
+from peagle_jax.spec.plan import serving_trees, step_keys, windows_between
 from peagle_jax.spec.state import SpecState, SpecStats, cache_slack, host_copy, queue_slots
 from peagle_jax.spec.tree import Tree, chain
 from peagle_jax.spec.verify import verify
@@ -243,11 +245,10 @@ class SpeculativeGenerator(Generator):
 
     def _plain(self, cache, dcache, state: SpecState, seeds, sampling, greedy_only: bool, live):
         """A plain step of :meth:`run_step`: one token per row, the drafter's context kept current."""
-        t0 = time.perf_counter()
-        next_R, at, cache, dcache = self._launch_plain(cache, dcache, state, seeds, sampling, greedy_only, live)
-        next_R = np.asarray(next_R)
-        state.commit_plain(next_R, at, live)
-        self.spec.verify_s += time.perf_counter() - t0
+        launched, cache, dcache = self.launch_plain(cache, dcache, state, seeds, sampling, greedy_only, live)
+        next_R = np.asarray(launched.tokens)
+        state.commit_plain(next_R, launched.at, live)
+        self.spec.verify_s += time.perf_counter() - launched.t_launch
         return self._plain_tokens(next_R), np.ones(len(live), np.int32), cache, dcache
 
     def _plain_tokens(self, next_R: np.ndarray) -> np.ndarray:
@@ -256,14 +257,14 @@ class SpeculativeGenerator(Generator):
         tokens[:, 0] = next_R
         return tokens
 
-    def _launch_plain(
+    def launch_plain(
         self, cache, dcache, state: SpecState, seeds, sampling, greedy_only: bool, live, root=None, lazy=False
-    ):
+    ) -> tuple[Launched, object, object]:
         """Launch a plain step over the first R = ``len(live)`` rows without waiting for it
         (:meth:`SpecState.advance_plain`). ``root`` [R] (on the device): the roots to decode, e.g. the unread
         output of the previous plain step; by default the host's. ``lazy``: see :meth:`make_room`. Returns
-        (next token [R] on the device, each row's context slot for it, cache, dcache)."""
-        R = len(live)
+        (the launched step: next token [R] on the device and each row's context slot for it, cache, dcache)."""
+        t0, R = time.perf_counter(), len(live)
         dcache = self.make_room(dcache, state, R, lazy=lazy)
         # Copies: the host state moves on at once, maybe while the step still reads it.
         next_R, cache, state.ctx_aux = plain_step(
@@ -283,7 +284,7 @@ class SpeculativeGenerator(Generator):
         at = state.advance_plain(live)
         self.stats.decode_steps += 1
         self.spec.plain_forwards += int(np.sum(live))
-        return next_R, at, cache, dcache
+        return Launched(next_R, np.array(live, bool), t0, at=at), cache, dcache
 
     def needs_flush(self, state: SpecState, rows: int, full: int | None = None, lazy: bool = False) -> bool:
         """Whether :meth:`make_room` would write the pending context (one of the first ``rows`` rows holds
@@ -358,10 +359,9 @@ class SpeculativeGenerator(Generator):
             self._emit(b, [int(first[b])], gained, produced, done, stops, max_new_tokens)
         yield gained
         # Plain steps (the adaptive policy's choice where drafting does not pay) run as the plain engine's
-        # do: the next one is launched, on the unread token of the last, before the host reads that token,
-        # so the host's bookkeeping (and the caller's) overlaps the device's work. ``pending``: a launched
-        # plain step not read yet (next token on the device, context slots, live rows, launch time);
-        # ``chosen``: the step chosen while it ran, when it could not be launched before the read.
+        # do (engine.overlap): the next one is launched, on the unread token of the last, before the host
+        # reads that token. ``pending``: a launched plain step not read yet; ``chosen``: the step chosen while
+        # it ran, when it could not be launched before the read.
         pending, chosen, t_read = None, None, time.perf_counter()
         while not done.all():
             live = ~done
@@ -378,35 +378,33 @@ class SpeculativeGenerator(Generator):
                     self.policy.record(B, tree.depth, now - t_read, count[live])
                 t_read = now
             elif pending is None:  # the first of a run of plain steps: launched, then the next one is chosen
-                t0 = time.perf_counter()
-                next_B, at, cache, dcache = self._launch_plain(cache, dcache, state, seeds, sampling, greedy_only, live)
-                pending = (next_B, at, live, t0)
+                pending, cache, dcache = self.launch_plain(cache, dcache, state, seeds, sampling, greedy_only, live)
                 continue
             else:
-                following = None
                 live_next = live & (produced + 1 < max_new_tokens)  # rows that may want a token after pending's
+                launch_next = None
                 if not tree.depth and live_next.any() and not self.needs_flush(state, B):
                     # (a flush embeds the queued tokens: it waits until pending's are read). Every row live now
                     # was live in pending, whose output is its root; the finished rows idle on any token.
-                    t0 = time.perf_counter()
-                    next_B, at, cache, dcache = self._launch_plain(
-                        cache, dcache, state, seeds, sampling, greedy_only, live_next, root=pending[0]
-                    )
-                    following = (next_B, at, live_next, t0)
+                    def launch_next(root, live_next=live_next):
+                        nonlocal cache, dcache
+                        launched, cache, dcache = self.launch_plain(
+                            cache, dcache, state, seeds, sampling, greedy_only, live_next, root=root
+                        )
+                        return launched
+
                 else:
                     chosen = tree
-                next_B, at, was_live, t_launch = pending
-                next_B = np.asarray(next_B)
-                state.commit_plain(next_B, at, was_live)
-                # Its device time runs from its launch, or when it was launched before the last read
-                # (overlapped), from that read; the policy learns the interval between reads (as above).
+                next_B, following = launch_then_read(pending, launch_next)
+                state.commit_plain(next_B, pending.at, pending.live)
+                # The policy learns the interval between reads (as above).
                 now = time.perf_counter()
-                self.spec.verify_s += now - max(t_launch, t_read)
+                self.spec.verify_s += pending.device_seconds(t_read, now)
                 if self.policy is not None:
                     self.policy.record(B, 0, now - t_read)
                 t_read = now
-                tokens, count, pending = self._plain_tokens(next_B), np.ones(B, np.int32), following
-                live = was_live & live
+                tokens, count = self._plain_tokens(next_B), np.ones(B, np.int32)
+                live, pending = pending.live & live, following
             t2 = time.perf_counter()
             gained = [[] for _ in range(n)]
             for b in range(n):
@@ -488,14 +486,21 @@ class SpeculativeGenerator(Generator):
         sampling = SamplingParams.make(B, 0.0 if greedy_only else 1.0)
         greedy_only = greedy_graph(sampling.temperature)  # the graphs such requests call
         seeds, root, live = jnp.zeros(B, jnp.uint32), jnp.zeros(B, jnp.int32), jnp.ones(B, bool)
-        trees = [t for t in self.choices.values() if t.depth] if self.policy is not None else [self.tree]
-        out = None
-        for tree in trees:
-            verify_windows = {self.window(q + tree.size + 1) for q in positions[1:]}
-            for w in sorted(verify_windows | set(draft_windows)) if self.fused else sorted(verify_windows):
+        out, first, last = None, prompt_len, prompt_len + max_new_tokens  # the roots q a request can reach
+        for tree in serving_trees(self.tree, adaptive=self.policy is not None):
+            windows = windows_between(self.window_buckets, first + tree.size + 1, last + tree.size + 1)
+            if self.fused and tree.depth:
+                windows = sorted(set(windows) | set(draft_windows))
+            for key in step_keys([B], [tree], windows, [greedy_only]):
+                w = key.window
                 q = jnp.full(B, max(w - tree.size - 1, 0), jnp.int32)
                 start = np.full(B, max(w - 2 * K - 1, 0), np.int32)
-                if self.fused:
+                if not tree.depth:  # a plain step (its context queue flushes below)
+                    out, cache, aux = plain_step(
+                        self.params, cache, aux, root, q, jnp.asarray(count), live, seeds, sampling, cfg=self.cfg,
+                        window=w, greedy_only=greedy_only,
+                    )  # fmt: skip
+                elif self.fused:
                     ctx = (tokens, aux, count, start)
                     out, cache, dcache = self._fused(cache, dcache, ctx, root, q, seeds, sampling, tree, w, greedy_only)
                 else:
@@ -504,16 +509,10 @@ class SpeculativeGenerator(Generator):
                         self.params, cache, root, drafts, q, seeds, sampling, cfg=self.cfg, tree=tree, window=w,
                         greedy_only=greedy_only,
                     )  # fmt: skip
-            for w in [] if self.fused else draft_windows:
+            for w in draft_windows if tree.depth and not self.fused else []:
                 start = np.full(B, max(w - 2 * K - 1, 0), np.int32)
                 out, dcache = self._draft(dcache, tokens, aux, count, start, tree)
-        if self.policy is not None:  # plain steps, and the flushes of the context they queue
-            for w in sorted({self.window(q + 1) for q in positions[1:]}):
-                q = jnp.full(B, w - 1, jnp.int32)
-                out, cache, aux = plain_step(
-                    self.params, cache, aux, root, q, jnp.asarray(count), live, seeds, sampling, cfg=self.cfg,
-                    window=w, greedy_only=greedy_only,
-                )  # fmt: skip
+        if self.policy is not None:  # the flushes of the context plain steps queue
             for w in sorted({self.window(s + Q) for s in positions}):
                 start = jnp.full(B, max(w - Q, 0), jnp.int32)
                 dcache, aux = flush_context(

@@ -1,0 +1,76 @@
+"""The graphs a decoding setup calls, listed in one place.
+
+Every device graph is one jitted entry point at one shape bucket, so which graphs a setup can call follows
+from its configuration alone: the rows of a step (the batch buckets of the batch generators, the row
+buckets of the serving engine), the step trees (the drafted tree; with the adaptive step length also the
+shorter ones it picks from, :func:`peagle_jax.spec.adaptive.step_trees`; a plain step is ``chain(0)``),
+the attention windows a context reaches, the sampling modes (:func:`peagle_jax.sampling.greedy_modes`) and
+the prefill chunks. This module enumerates them; its callers turn each key into graphs:
+
+- the warm-ups run each key once on scratch inputs (:meth:`peagle_jax.engine.generator.Generator.warmup`,
+  :meth:`peagle_jax.spec.generator.SpeculativeGenerator.warmup`, :meth:`peagle_jax.serve.slots.SlotEngine.warmup`);
+- ``python -m peagle_jax.neuron export`` builds each key's graphs with abstract inputs
+  (:mod:`peagle_jax.neuron.graphs`) and exports them.
+
+A step key stands for the graphs one step calls: the plain decode step (no drafter) or the plain step inside
+speculative decoding (depth 0), else the draft at every draft window the step can meet, the verify (or the
+fused draft + verify) and the context write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+from peagle_jax.engine.buckets import bucket
+from peagle_jax.spec.adaptive import step_trees
+from peagle_jax.spec.tree import Tree, chain
+
+
+@dataclasses.dataclass(frozen=True)
+class StepKey:
+    """One step's graphs: over ``rows`` rows (a batch or row bucket), drafting ``tree`` (depth 0: a plain
+    step), at attention window ``window`` (of the verify, or of the decode step), greedy-only or not."""
+
+    rows: int
+    tree: Tree
+    window: int
+    greedy_only: bool
+
+
+def step_keys(
+    rows: Iterable[int], trees: Sequence[Tree], windows: Sequence[int], greedy_modes: Sequence[bool]
+) -> list[StepKey]:
+    """Every combination, rows outermost, then trees, windows and sampling modes."""
+    return [StepKey(r, t, w, g) for r in rows for t in trees for w in windows for g in greedy_modes]
+
+
+def serving_trees(tree: Tree | None, *, adaptive: bool = False, load_trees: Sequence[Tree] = ()) -> list[Tree]:
+    """The step trees a decoder runs: plain decoding (``tree`` None) only plain steps; a speculative one its
+    tree and any trees it switches to under load; with the adaptive step length every step length it picks
+    from (plain, a chain of 1, the tree)."""
+    if tree is None:
+        return [chain(0)]
+    if adaptive:
+        return list(step_trees(tree).values())
+    return list(dict.fromkeys([tree, *load_trees]))
+
+
+def windows_up_to(window_buckets: Sequence[int], context: int) -> list[int]:
+    """The windows a context of up to ``context`` slots can use: every bucket up to the one covering it."""
+    top = bucket(context, window_buckets)
+    return [w for w in window_buckets if w <= top]
+
+
+def windows_between(window_buckets: Sequence[int], first: int, last: int) -> list[int]:
+    """The windows of contexts from ``first`` to ``last`` slots (both included)."""
+    lo, hi = bucket(first, window_buckets), bucket(last, window_buckets)
+    return [w for w in window_buckets if lo <= w <= hi]
+
+
+def prefill_keys(prefill_buckets: Sequence[int], window_buckets: Sequence[int], max_len: int) -> list[tuple[int, int]]:
+    """(chunk bucket T, window) pairs a prefill of prompts up to ``max_len`` tokens can call: prompts go in
+    chunks of the largest bucket, the last padded to a bucket, each at the window covering its end."""
+    chunk = prefill_buckets[-1]
+    pairs = {(T, bucket(start + T, window_buckets)) for start in range(0, max_len, chunk) for T in prefill_buckets}
+    return sorted(pairs)
