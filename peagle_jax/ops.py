@@ -1,6 +1,6 @@
 """Stateless numerical building blocks shared by the target model and the drafter.
 
-Shape letters: see :mod:`peagle_jax.models.config`. Everything here is pure and jittable; nothing branches on
+Shape letters: docs/glossary.md. Everything here is pure and jittable; nothing branches on
 array values.
 """
 
@@ -46,8 +46,8 @@ def linear(weight, x, in_axes: int = 1, preferred_element_type=None):
     out_shape = weight.shape[: weight.ndim - in_axes]
     n_in = math.prod(weight.shape[weight.ndim - in_axes :])
     lead = x.shape[: x.ndim - in_axes]
-    w_ON, x_MN = weight.reshape(-1, n_in), x.reshape(-1, n_in)
-    M = x_MN.shape[0]
+    w_OI, x_MI = weight.reshape(-1, n_in), x.reshape(-1, n_in)
+    M = x_MI.shape[0]
     if M <= SMALL_ROWS and weight.dtype == jnp.bfloat16:
         # XLA's CPU library kernel for bf16 products takes ``x @ W^T`` with both operands in bf16 and f32
         # accumulation; for one row, or written as ``W @ x^T`` like below, XLA converts all of W to f32 on
@@ -55,19 +55,19 @@ def linear(weight, x, in_axes: int = 1, preferred_element_type=None):
         # keeps W an operand of the product rather than of a convert. At least 4 rows: from 3 rows on, a row's
         # result does not depend on the other rows (bit for bit; 2 rows round differently), so a decode step
         # and a verify compute the same products for the same row.
-        P = max(4, padded_rows(M))
-        x_PN = jnp.pad(x_MN.astype(weight.dtype), ((0, P - M), (0, 0)))
-        y_PO = jax.lax.dot_general(
-            x_PN, jax.lax.optimization_barrier(w_ON), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        Z = max(4, padded_rows(M))
+        x_ZI = jnp.pad(x_MI.astype(weight.dtype), ((0, Z - M), (0, 0)))
+        y_ZO = jax.lax.dot_general(
+            x_ZI, jax.lax.optimization_barrier(w_OI), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
-        y_MO = y_PO[:M].astype(preferred_element_type or x.dtype)
+        y_MO = y_ZO[:M].astype(preferred_element_type or x.dtype)
     elif M <= SMALL_ROWS:
-        P = padded_rows(M)
-        x_PN = jnp.pad(x_MN, ((0, P - M), (0, 0)))
-        y_OP = jnp.dot(w_ON, x_PN.T, preferred_element_type=preferred_element_type)
-        y_MO = jax.lax.optimization_barrier(y_OP).T[:M]
+        Z = padded_rows(M)
+        x_ZI = jnp.pad(x_MI, ((0, Z - M), (0, 0)))
+        y_OZ = jnp.dot(w_OI, x_ZI.T, preferred_element_type=preferred_element_type)
+        y_MO = jax.lax.optimization_barrier(y_OZ).T[:M]
     else:
-        y_MO = jnp.dot(x_MN, w_ON.T, preferred_element_type=preferred_element_type)
+        y_MO = jnp.dot(x_MI, w_OI.T, preferred_element_type=preferred_element_type)
     return y_MO.reshape(*lead, *out_shape)
 
 
@@ -97,18 +97,18 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
 
 def rope_cos_sin(positions_BT, inv_freq):
     """cos and sin tables [B, T, H] for the half-rotation layout used by Hugging Face Llama/Qwen."""
-    freqs_BTh = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
-    emb_BTH = jnp.concatenate([freqs_BTh, freqs_BTh], axis=-1)
+    freqs = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]  # [B, T, H/2]
+    emb_BTH = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb_BTH), jnp.sin(emb_BTH)
 
 
-def apply_rope(x_BTnH, cos_BTH, sin_BTH):
-    """Rotate q or k ([B, T, heads, H]) by their positions: ``x*cos + rotate_half(x)*sin``."""
-    half = x_BTnH.shape[-1] // 2
-    rotated = jnp.concatenate([-x_BTnH[..., half:], x_BTnH[..., :half]], axis=-1)
-    cos = cos_BTH[:, :, None, :].astype(x_BTnH.dtype)
-    sin = sin_BTH[:, :, None, :].astype(x_BTnH.dtype)
-    return x_BTnH * cos + rotated * sin
+def apply_rope(x, cos_BTH, sin_BTH):
+    """Rotate q or k ([B, T, N, H] or [B, T, G, H]) by their positions: ``x*cos + rotate_half(x)*sin``."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos = cos_BTH[:, :, None, :].astype(x.dtype)
+    sin = sin_BTH[:, :, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
 
 
 def visible_mask(start_B, num_new: int, num_slots: int, mask_BTT=None):
@@ -144,7 +144,7 @@ def new_token_layout(start_B, num_new: int, num_slots: int, window: int | None, 
 
 
 def attention_form(rows: int, dtype=jnp.float32) -> str:
-    """How :func:`attention` computes the scores for ``rows`` query rows per kv head (R*T) over a cache of
+    """How :func:`attention` computes the scores for ``rows`` query rows per kv head (M = J*T) over a cache of
     ``dtype``: up to ``SMALL_ROWS`` (every decode, verify and draft step) ``"K @ q^T"``, or for a bf16
     cache ``"bf16 kernel"``; beyond (prefill chunks) ``"q @ K^T"``."""
     if rows > SMALL_ROWS:
@@ -155,8 +155,9 @@ def attention_form(rows: int, dtype=jnp.float32) -> str:
 def attention(q_BTNH, k_BGSH, v_BGSH, visible_BTS, form: str | None = None):
     """Grouped-query attention of T new queries over S cache slots; softmax in fp32.
 
-    The R query heads sharing a kv head are folded into the matmul rows (``[R*T, H] x [S, H]`` per row and
-    kv head), so the cache is read once per kv head.
+    The J query heads sharing a kv head are folded into the matmul rows (``[M, H] x [S, H]`` with M = J*T, per
+    row and kv head), so the cache is read once per kv head. S is the slots given: the caller passes the
+    window W of the cache it attends over.
 
     ``form`` (default :func:`attention_form`) is how the products are computed. ``"K @ q^T"``: the keys are
     the left operand of the scores, and the product is transposed behind an optimization barrier, as
@@ -164,41 +165,43 @@ def attention(q_BTNH, k_BGSH, v_BGSH, visible_BTS, form: str | None = None):
     call. ``"bf16 kernel"``: ``q @ K^T`` with the query rows padded to at least 4 and the keys behind a
     barrier, and ``probs @ V`` with the same rows and f32 accumulation: the forms in which XLA's CPU library
     kernel multiplies bf16 operands (see :func:`linear`); otherwise it converts the key and value windows to
-    f32 first. Measured over SmolLM2's 30 layers on one row (``python -m peagle_jax.bench.attention``, see the
-    README): 0.46-0.94x the time of ``q @ K^T`` in fp32 and 0.31-0.59x in bf16, from 256 to 2048 slots.
+    f32 first. Measured over SmolLM2's 30 layers on one row with 1 and 8 queries
+    (``python -m peagle_jax.bench.attention``, docs/bench/attention/README.md): 0.46-0.94x the time of
+    ``q @ K^T`` in fp32 and 0.31-0.59x in bf16, windows of 256 to 2048 slots.
     """
     B, T, N, H = q_BTNH.shape
     G = k_BGSH.shape[1]
-    q_BGRTH = jnp.transpose(q_BTNH.reshape(B, T, G, N // G, H), (0, 2, 3, 1, 4))
-    M = (N // G) * T
+    J = N // G
+    q_BGJTH = jnp.transpose(q_BTNH.reshape(B, T, G, J, H), (0, 2, 3, 1, 4))
+    M = J * T
     form = form or attention_form(M, k_BGSH.dtype)
     if form == "K @ q^T":
-        q_BGMH = q_BGRTH.reshape(B, G, M, H)
+        q_BGMH = q_BGJTH.reshape(B, G, M, H)
         scores_BGSM = jnp.einsum("BGSH,BGMH->BGSM", k_BGSH, q_BGMH, preferred_element_type=jnp.float32)
-        scores_BGRTS = jnp.swapaxes(jax.lax.optimization_barrier(scores_BGSM), -1, -2).reshape(*q_BGRTH.shape[:4], -1)
+        scores_BGJTS = jnp.swapaxes(jax.lax.optimization_barrier(scores_BGSM), -1, -2).reshape(*q_BGJTH.shape[:4], -1)
     elif form == "bf16 kernel":
-        P = max(4, padded_rows(M))
-        q_BGPH = jnp.pad(q_BGRTH.reshape(B, G, M, H).astype(k_BGSH.dtype), ((0, 0), (0, 0), (0, P - M), (0, 0)))
+        Z = max(4, padded_rows(M))
+        q_BGZH = jnp.pad(q_BGJTH.reshape(B, G, M, H).astype(k_BGSH.dtype), ((0, 0), (0, 0), (0, Z - M), (0, 0)))
         dims = (((3,), (3,)), ((0, 1), (0, 1)))
-        scores_BGPS = jax.lax.dot_general(
-            q_BGPH, jax.lax.optimization_barrier(k_BGSH), dims, preferred_element_type=jnp.float32
+        scores_BGZS = jax.lax.dot_general(
+            q_BGZH, jax.lax.optimization_barrier(k_BGSH), dims, preferred_element_type=jnp.float32
         )
-        scores_BGRTS = scores_BGPS[:, :, :M].reshape(*q_BGRTH.shape[:4], -1)
+        scores_BGJTS = scores_BGZS[:, :, :M].reshape(*q_BGJTH.shape[:4], -1)
     elif form == "q @ K^T":
-        scores_BGRTS = jnp.einsum("BGRTH,BGSH->BGRTS", q_BGRTH, k_BGSH, preferred_element_type=jnp.float32)
+        scores_BGJTS = jnp.einsum("BGJTH,BGSH->BGJTS", q_BGJTH, k_BGSH, preferred_element_type=jnp.float32)
     else:
         raise ValueError(f"unknown attention form {form!r}")
-    scores_BGRTS = scores_BGRTS * (1.0 / math.sqrt(H))
-    scores_BGRTS = jnp.where(visible_BTS[:, None, None, :, :], scores_BGRTS, MASK_VALUE)
-    probs_BGRTS = jax.nn.softmax(scores_BGRTS, axis=-1).astype(v_BGSH.dtype)
+    scores_BGJTS = scores_BGJTS * (1.0 / math.sqrt(H))
+    scores_BGJTS = jnp.where(visible_BTS[:, None, None, :, :], scores_BGJTS, MASK_VALUE)
+    probs_BGJTS = jax.nn.softmax(scores_BGJTS, axis=-1).astype(v_BGSH.dtype)
     if form == "bf16 kernel":  # the same kernel for probs @ V: rows padded, f32 accumulation
-        probs_BGPS = jnp.pad(probs_BGRTS.reshape(B, G, M, -1), ((0, 0), (0, 0), (0, P - M), (0, 0)))
+        probs_BGZS = jnp.pad(probs_BGJTS.reshape(B, G, M, -1), ((0, 0), (0, 0), (0, Z - M), (0, 0)))
         dims = (((3,), (2,)), ((0, 1), (0, 1)))
-        out_BGPH = jax.lax.dot_general(probs_BGPS, v_BGSH, dims, preferred_element_type=jnp.float32)
-        out_BGRTH = out_BGPH[:, :, :M].astype(v_BGSH.dtype).reshape(*q_BGRTH.shape)
+        out_BGZH = jax.lax.dot_general(probs_BGZS, v_BGSH, dims, preferred_element_type=jnp.float32)
+        out_BGJTH = out_BGZH[:, :, :M].astype(v_BGSH.dtype).reshape(*q_BGJTH.shape)
     else:
-        out_BGRTH = jnp.einsum("BGRTS,BGSH->BGRTH", probs_BGRTS, v_BGSH)
-    return jnp.transpose(out_BGRTH, (0, 3, 1, 2, 4)).reshape(B, T, N, H)
+        out_BGJTH = jnp.einsum("BGJTS,BGSH->BGJTH", probs_BGJTS, v_BGSH)
+    return jnp.transpose(out_BGJTH, (0, 3, 1, 2, 4)).reshape(B, T, N, H)
 
 
 def argmax_first(x, axis: int = -1):

@@ -31,7 +31,7 @@ NEURON_PIP = "https://pip.repos.neuron.amazonaws.com"
 NEURON_PACKAGES = ("jax-neuronx==0.10.0.1.0.14198", "libneuronxla==3.0.10135.0", "neuronx-cc==2.28.7631.0")
 INSTALL = {
     "neuron": f"pip install --extra-index-url {NEURON_PIP} {' '.join(NEURON_PACKAGES)} (on a trn1/trn2/inf2 "
-    "instance with the Neuron driver and runtime; see the README section 'Neuron and TPU')",
+    "instance with the Neuron driver and runtime; see docs/design/neuron-tpu.md)",
     "tpu": "pip install 'jax[tpu]==0.10.2' (on a Cloud TPU VM)",
     "gpu": "pip install 'jax[cuda12]==0.10.2' (on a machine with an NVIDIA GPU and driver)",
 }

@@ -143,9 +143,9 @@ def uniforms(seeds_B, positions_B, n: int, stream: int = 0):
         seeds_B.astype(jnp.uint32)
         ^ _mix32(positions_B.astype(jnp.uint32) + jnp.uint32((stream * 0x9E3779B9) & 0xFFFFFFFF))
     )
-    idx_N = jnp.arange(n, dtype=jnp.uint32)
-    bits_BN = _mix32(_mix32((idx_N * jnp.uint32(0x85EBCA6B))[None, :] ^ row_B[:, None]) + row_B[:, None])
-    return ((bits_BN >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
+    idx = jnp.arange(n, dtype=jnp.uint32)  # [n]
+    bits = _mix32(_mix32((idx * jnp.uint32(0x85EBCA6B))[None, :] ^ row_B[:, None]) + row_B[:, None])  # [B, n]
+    return ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
 
 
 def greedy_graph(temperature) -> bool:

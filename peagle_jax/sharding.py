@@ -4,8 +4,8 @@
 What is split over the ``tp`` devices (Megatron-style, so each layer needs one all-reduce after attention
 and one after the MLP, which XLA inserts):
 
-- attention by kv head: ``qkv_proj.weight [G, R+2, H, D]`` (and its bias) on G, so each device holds whole
-  groups (a kv head with its R query heads); ``o_proj.weight [D, N, H]`` on N (query heads are ordered by
+- attention by kv head: ``qkv_proj.weight [G, J+2, H, D]`` (and its bias) on G, so each device holds whole
+  groups (a kv head with its J query heads); ``o_proj.weight [D, N, H]`` on N (query heads are ordered by
   group, so its N-shards are the same groups); the KV cache ``[B, G, S, H]`` on G;
 - the MLP by hidden unit: ``gate_up_proj.weight [2, F, D]`` (and bias) on F, ``down_proj.weight [D, F]`` on
   its input F;
@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from peagle_jax.errors import UserError
 from peagle_jax.models.cache import KVCache
@@ -56,14 +55,14 @@ def make_mesh(tp: int, devices=None) -> Mesh:
     return Mesh(np.asarray(devices[:tp]), (AXIS,))
 
 
-def param_spec(path, x) -> P:
+def param_spec(path, x) -> PartitionSpec:
     names = tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
     axis = SPLIT_AXIS.get(names[-2:])
     if axis is None:
-        return P()
+        return PartitionSpec()
     spec = [None] * x.ndim
     spec[axis] = AXIS
-    return P(*spec)
+    return PartitionSpec(*spec)
 
 
 def param_shardings(params, mesh: Mesh):
@@ -76,10 +75,10 @@ def shard_params(params, mesh: Mesh):
 
 
 def replicate(tree, mesh: Mesh):
-    return jax.device_put(tree, NamedSharding(mesh, P()))
+    return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
 
 
-CACHE_SPEC = P(None, AXIS, None, None)  # [B, G, S, H]: kv heads split
+CACHE_SPEC = PartitionSpec(None, AXIS, None, None)  # [B, G, S, H]: kv heads split
 
 
 def shard_cache(cache: KVCache, mesh: Mesh) -> KVCache:

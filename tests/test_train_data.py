@@ -242,7 +242,7 @@ def test_batches_are_a_pure_function_of_the_position():
     )()
     data = TrainData(rows, train, batch_size=2, num_depths=3, seed=1, features=cache)
     again = TrainData(rows, train, batch_size=2, num_depths=3, seed=1, features=cache)
-    np.testing.assert_array_equal(np.asarray(data.batch_at(3).anchor_BE), np.asarray(again.batch_at(3).anchor_BE))
+    np.testing.assert_array_equal(np.asarray(data.batch_at(3).anchor_BY), np.asarray(again.batch_at(3).anchor_BY))
     # One epoch visits every training row once.
     n = len(train)
     seen = np.concatenate([data.rows_at(p) for p in range(n // 2)])

@@ -26,7 +26,7 @@ def test_training_elements_predict_what_parallel_draft_drafts():
     anchors = [3, 11, 20, 30]
     anchor = np.concatenate([np.arange(T)] + [np.full(K - 1, a) for a in anchors])[None].astype(np.int32)
     depth = np.concatenate([np.zeros(T)] + [np.arange(1, K)] * len(anchors))[None].astype(np.int32)
-    E = anchor.shape[1]
+    Y = anchor.shape[1]
     batch = PEagleBatch(
         tokens,
         aux,
@@ -35,7 +35,7 @@ def test_training_elements_predict_what_parallel_draft_drafts():
         jnp.zeros((1, T), jnp.int32),
         jnp.asarray(anchor),
         jnp.asarray(depth),
-        jnp.ones((1, E), bool),
+        jnp.ones((1, Y), bool),
     )
     train_logits, _ = element_logits(params, batch, cfg=DCFG)
     mask_g = fused_mask_hidden(params, cfg=DCFG)

@@ -29,24 +29,24 @@ from peagle_jax.train.objective import PEagleBatch, element_mask, peagle_loss, s
 
 def _reference_mask(anchor, depth, docs):
     mod = create_peagle_mask_mod(torch.tensor(anchor), torch.tensor(depth), torch.tensor(docs))
-    E = len(anchor)
-    return mod(None, None, torch.arange(E)[:, None], torch.arange(E)[None, :]).numpy()
+    Y = len(anchor)
+    return mod(None, None, torch.arange(Y)[:, None], torch.arange(Y)[None, :]).numpy()
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_element_mask_matches_speculators(seed):
     rng = np.random.default_rng(seed)
-    T, E = 20, 40
+    T, Y = 20, 40
     docs = np.array([0] * 9 + [1] * 8 + [-1] * 3, np.int64)  # two documents, then padding positions
-    anchor = rng.integers(0, T, E)
-    depth = np.where(rng.random(E) < 0.4, 0, rng.integers(1, 4, E))
+    anchor = rng.integers(0, T, Y)
+    depth = np.where(rng.random(Y) < 0.4, 0, rng.integers(1, 4, Y))
     anchor[:T], depth[:T] = np.arange(T), 0  # every depth-0 element, as COD makes them
     ref = _reference_mask(anchor, depth, docs)
-    valid = np.ones(E, bool)
+    valid = np.ones(Y, bool)
     ours = element_mask(jnp.asarray(anchor[None]), jnp.asarray(depth[None]), jnp.asarray(valid[None]), docs[None])
     np.testing.assert_array_equal(np.asarray(ours[0]), ref)
     # Invalid (padding) elements see nothing and are seen by nobody; the rest is unchanged.
-    valid = rng.random(E) < 0.8
+    valid = rng.random(Y) < 0.8
     ours = element_mask(jnp.asarray(anchor[None]), jnp.asarray(depth[None]), jnp.asarray(valid[None]), docs[None])
     np.testing.assert_array_equal(np.asarray(ours[0]), ref & valid[:, None] & valid[None, :])
 
@@ -154,7 +154,7 @@ def test_loss_and_metrics_match_speculators(case, tmp_path, monkeypatch):
     _, family, layers, kv_heads, seed, flags, T = case
     model, path = _reference(family, layers, kv_heads, seed, flags, tmp_path)
     K = 4
-    E = max_elements(T, K) + 3  # at least three padding elements
+    Y = max_elements(T, K) + 3  # at least three padding elements
     ids, aux, last, loss_mask, docs = _inputs(seed, T)
     anchor, depth = cod_sample(loss_mask[0], num_depths=K, rng=np.random.default_rng(seed))
     monkeypatch.setattr(
@@ -177,7 +177,7 @@ def test_loss_and_metrics_match_speculators(case, tmp_path, monkeypatch):
         head = jnp.asarray(model.verifier_lm_head.weight.numpy())
 
     cfg, params = load_drafter(path)
-    elements = pad_elements(anchor, depth, E)
+    elements = pad_elements(anchor, depth, Y)
     batch = PEagleBatch(ids, aux, target_hidden, loss_mask, docs, *(x[None] for x in elements))
     batch = jax.tree.map(jnp.asarray, batch)
     loss, metrics = _loss_jit(params, batch, head, cfg=cfg, num_depths=K)
@@ -202,10 +202,10 @@ def test_loss_and_metrics_match_speculators(case, tmp_path, monkeypatch):
 def test_gradients_finite_and_padding_has_no_influence(tmp_path):
     _, path = _reference("llama", 2, 2, 7, {}, tmp_path)
     cfg, params = load_drafter(path)
-    T, K, E = 30, 4, 90
+    T, K, Y = 30, 4, 90
     ids, aux, last, loss_mask, docs = _inputs(7, T)
     anchor, depth = cod_sample(loss_mask[0], num_depths=K, rng=np.random.default_rng(3))
-    elements = pad_elements(anchor, depth, E)
+    elements = pad_elements(anchor, depth, Y)
     head = jnp.asarray(np.random.default_rng(0).standard_normal((U, H)).astype(np.float32) / H**0.5)
     batch = jax.tree.map(jnp.asarray, PEagleBatch(ids, aux, last, loss_mask, docs, *(x[None] for x in elements)))
 
@@ -226,8 +226,8 @@ def test_gradients_finite_and_padding_has_no_influence(tmp_path):
     pad = ~np.asarray(elements.valid)
     rng = np.random.default_rng(1)
     moved = batch._replace(
-        anchor_BE=jnp.where(pad[None], jnp.asarray(rng.integers(0, T - 4, (1, E)), jnp.int32), batch.anchor_BE),
-        depth_BE=jnp.where(pad[None], jnp.asarray(rng.integers(0, K, (1, E)), jnp.int32), batch.depth_BE),
+        anchor_BY=jnp.where(pad[None], jnp.asarray(rng.integers(0, T - 4, (1, Y)), jnp.int32), batch.anchor_BY),
+        depth_BY=jnp.where(pad[None], jnp.asarray(rng.integers(0, K, (1, Y)), jnp.int32), batch.depth_BY),
     )
     (loss2, _), grads2 = grad_fn(trainable, moved)
     assert float(loss2) == float(loss)
@@ -239,13 +239,13 @@ def test_batch_rows_are_independent(tmp_path):
     """A two-row batch (different documents, loss masks and COD draws) gives the per-row metric sums."""
     _, path = _reference("llama", 1, 2, 9, {}, tmp_path)
     cfg, params = load_drafter(path)
-    T, K, E = 30, 4, 80
+    T, K, Y = 30, 4, 80
     rows = [_inputs(9, T), _inputs(10, T)]
     rows[1][3][0, 20:] = 0
     stacked = [np.concatenate(x) for x in zip(*rows, strict=True)]
     ids, aux, last, loss_mask, docs = stacked
-    elements = cod_batch(loss_mask, E, num_depths=K, rng=np.random.default_rng(5))
-    assert elements.anchor.shape == (2, E) and elements.valid.dtype == bool
+    elements = cod_batch(loss_mask, Y, num_depths=K, rng=np.random.default_rng(5))
+    assert elements.anchor.shape == (2, Y) and elements.valid.dtype == bool
     head = jnp.asarray(np.random.default_rng(0).standard_normal((U, H)).astype(np.float32) / H**0.5)
     batch = jax.tree.map(jnp.asarray, PEagleBatch(ids, aux, last, loss_mask, docs, *elements))
     loss, metrics = _loss_jit(params, batch, head, cfg=cfg, num_depths=K)

@@ -89,12 +89,12 @@ def main(argv=None) -> int:
     if loaded is None:
         return 2
     cfg = loaded[0]
-    R = cfg.num_heads // cfg.num_kv_heads
+    J = cfg.num_heads // cfg.num_kv_heads
     settings = [(w, t) for w in windows for t in queries]
     results = []
     for w, t in tqdm(settings, desc="settings", file=sys.stderr):
         ms = measure(cfg, w, t, args.rounds)
-        picks = ops.attention_form(R * t, cfg.jnp_dtype)
+        picks = ops.attention_form(J * t, cfg.jnp_dtype)
         results.append({"window": w, "queries": t, "ms": ms, "ratio": ms[picks] / ms["q @ K^T"], "picks": picks})
     heads = f"{cfg.num_heads} query / {cfg.num_kv_heads} kv heads of {cfg.head_dim}"
     print(f"{cfg.num_layers} layers, {heads} ({cfg.dtype}); one row; median ms per pass, {args.rounds} rounds\n")

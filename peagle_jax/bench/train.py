@@ -136,7 +136,7 @@ def sweep(args) -> list[dict]:
 def memory(args) -> dict:
     dcfg, params = _drafter(2, args.draft_vocab, shared_embedding=False)
     T, K, D = args.long_seq_len, args.num_depths, dcfg.layer.hidden_size
-    E = max_elements(T, K)
+    Y = max_elements(T, K)
     sds = jax.ShapeDtypeStruct
     batch = PEagleBatch(
         sds((1, T), jnp.int32),
@@ -144,12 +144,12 @@ def memory(args) -> dict:
         sds((1, T, D), jnp.float32),
         sds((1, T), jnp.int32),
         sds((1, T), jnp.int32),
-        sds((1, E), jnp.int32),
-        sds((1, E), jnp.int32),
-        sds((1, E), jnp.bool_),
+        sds((1, Y), jnp.int32),
+        sds((1, Y), jnp.int32),
+        sds((1, Y), jnp.bool_),
     )
     head = sds((args.draft_vocab, D), jnp.float32)
-    out = {"seq_len": T, "elements": E}
+    out = {"seq_len": T, "elements": Y}
     for segments in (1, 2, 4, 8):
         tcfg = TrainConfig(segments=segments)
         state = jax.eval_shape(lambda p, t=tcfg: init_train_state(p, dcfg, t), params)

@@ -4,20 +4,20 @@ Greedy speculative decoding emits exactly plain decoding's tokens, so along the 
 draft at every root depends on the committed prefix only. One target forward and one drafter forward per
 answer (the P-EAGLE training layout, every anchor and depth at once, whose elements draft what
 :func:`peagle_jax.drafter.draft.parallel_draft` drafts, tested) give the rank of the answer's next tokens
-among the drafter's top-W candidates at every root and depth. From these ranks the acceptance of any tree
+among the drafter's top ``--width`` candidates at every root and depth. From these ranks the acceptance of any tree
 follows without decoding: from the first root, a step accepts the deepest tree path whose ranks match the
 answer, emits that many tokens plus the bonus token, and the next root is the last of them (counted as
 :class:`peagle_jax.spec.state.SpecStats` counts a greedy run, stop tokens included; tested equal).
 
-The search grows a tree one node at a time (a child of a tree node or of the root, rank < W, depth <= K),
+The search grows a tree one node at a time (a child of a tree node or of the root, rank < width, depth <= K),
 adding the node that raises the tokens per step most on the search half of the questions, and reports each
 budget's tree with its tokens per step on both halves (the held-out half is the honest number), beside the
-``--trees`` given. ``--dynamic`` adds, per budget, a tree chosen anew at every root: the N paths whose
+``--trees`` given. ``--dynamic`` adds, per budget, a tree chosen anew at every root: the ``budget`` paths whose
 drafter probabilities multiply to the most (depths are drafted independently in P-EAGLE, so the product
 stands in for a path's probability), as EAGLE-2's dynamic trees choose: what a verify graph taking its
-tree as data would accept with that rule. Which budget to serve is a question of cost: on this project's
-CPU a verify of 2 to 8 tokens costs the same (see the README's weight products), so 7 nodes come at the
-price of 1.
+tree as data would accept with that rule. Which budget to serve is a question of cost: see the step costs in
+docs/bench/steps/README.md and, in docs/performance.md, "Weight products" (``linear`` pads a product's rows
+to the next power of two up to 16, so a verify of 8 tokens multiplies as many rows as one of 5).
 """
 
 from __future__ import annotations
@@ -47,65 +47,66 @@ def paths_of(tree_spec: str) -> frozenset[RankPath]:
     return frozenset(parse_tree(tree_spec).paths())  # parse_tree validates
 
 
-def accepted_depths(ranks_NK: np.ndarray, paths: frozenset[RankPath], width: int) -> np.ndarray:
-    """Per root, the depth of the deepest tree path whose ranks equal ``ranks`` (``width`` = not among the
-    candidates): the drafts a step from that root accepts."""
-    N, K = ranks_NK.shape
+def accepted_depths(ranks: np.ndarray, paths: frozenset[RankPath], width: int) -> np.ndarray:
+    """Per root, the depth of the deepest tree path whose ranks equal ``ranks`` ([roots, K]; ``width`` = not
+    among the candidates): the drafts a step from that root accepts."""
+    roots, K = ranks.shape
     base = width + 1
-    acc, ok = np.zeros(N, np.int64), np.ones(N, bool)
-    code = np.zeros(N, np.int64)
+    acc, ok = np.zeros(roots, np.int64), np.ones(roots, bool)
+    code = np.zeros(roots, np.int64)
     for d in range(1, K + 1):
-        code = code * base + ranks_NK[:, d - 1]
+        code = code * base + ranks[:, d - 1]
         want = [int(np.polyval(p, base)) for p in paths if len(p) == d]  # the same code of each path
         ok &= np.isin(code, want)
         acc += ok
     return acc
 
 
-def dynamic_paths(probs_KW: np.ndarray, budget: int) -> frozenset[RankPath]:
-    """The ``budget`` paths (depth <= K, ranks < W) whose candidate probabilities ``probs_KW`` multiply to the
-    most (ties: the smaller rank tuple). Prefix-closed: a path never scores above its parent, and a parent
-    is chosen before its children are candidates."""
-    K, W = probs_KW.shape
-    heap = [(-float(probs_KW[0, r]), (r,)) for r in range(W)]
+def dynamic_paths(probs: np.ndarray, budget: int) -> frozenset[RankPath]:
+    """The ``budget`` paths (depth <= K, ranks < width) whose candidate probabilities ``probs`` ([K, width])
+    multiply to the most (ties: the smaller rank tuple). Prefix-closed: a path never scores above its
+    parent, and a parent is chosen before its children are candidates."""
+    K, width = probs.shape
+    heap = [(-float(probs[0, r]), (r,)) for r in range(width)]
     heapq.heapify(heap)
     chosen: set[RankPath] = set()
     while heap and len(chosen) < budget:
         value, path = heapq.heappop(heap)
         chosen.add(path)
         if len(path) < K:
-            for r in range(W):
-                heapq.heappush(heap, (value * float(probs_KW[len(path), r]), (*path, r)))
+            for r in range(width):
+                heapq.heappush(heap, (value * float(probs[len(path), r]), (*path, r)))
     return frozenset(chosen)
 
 
-def dynamic_accepted_depths(ranks_NK: np.ndarray, probs_NKW: np.ndarray, budget: int) -> np.ndarray:
-    """As :func:`accepted_depths`, with each root's own tree :func:`dynamic_paths` of ``budget`` nodes."""
-    width = probs_NKW.shape[-1]
+def dynamic_accepted_depths(ranks: np.ndarray, probs: np.ndarray, budget: int) -> np.ndarray:
+    """As :func:`accepted_depths`, with each root's own tree :func:`dynamic_paths` of ``budget`` nodes
+    (``probs`` [roots, K, width])."""
+    width = probs.shape[-1]
     return np.array(
         [
-            accepted_depths(ranks[None], dynamic_paths(probs, budget), width)[0]
-            for ranks, probs in zip(ranks_NK, probs_NKW, strict=True)
+            accepted_depths(root_ranks[None], dynamic_paths(root_probs, budget), width)[0]
+            for root_ranks, root_probs in zip(ranks, probs, strict=True)
         ],
         np.int64,
     )
 
 
-def simulate(ranks_NK, answer, paths, width, *, max_new_tokens, stops=()) -> tuple[int, int, list[int]]:
+def simulate(ranks, answer, paths, width, *, max_new_tokens, stops=()) -> tuple[int, int, list[int]]:
     """``(target forwards, tokens emitted, accepted per depth)`` of one greedy speculative run: ``answer`` is
     the target's greedy continuation (the first token from the prefill), root i (0-based) is ``answer[i]``."""
-    acc_N = accepted_depths(ranks_NK, paths, width)
-    return run_accepted(acc_N, answer, K=ranks_NK.shape[1], max_new_tokens=max_new_tokens, stops=stops)
+    acc = accepted_depths(ranks, paths, width)
+    return run_accepted(acc, answer, K=ranks.shape[1], max_new_tokens=max_new_tokens, stops=stops)
 
 
-def run_accepted(acc_N, answer, *, K: int, max_new_tokens, stops=()) -> tuple[int, int, list[int]]:
-    """:func:`simulate` from the drafts accepted at each root, ``acc_N``."""
+def run_accepted(acc, answer, *, K: int, max_new_tokens, stops=()) -> tuple[int, int, list[int]]:
+    """:func:`simulate` from the drafts accepted at each root, ``acc`` [roots]."""
     forwards, emitted, per_depth = 0, 0, [0] * K
     done, stop = 1, set(stops)
     if answer[0] in stop:
         return 0, 0, per_depth
     while done < max_new_tokens:
-        a = int(acc_N[done - 1])
+        a = int(acc[done - 1])
         forwards, emitted = forwards + 1, emitted + a + 1
         for d in range(a):
             per_depth[d] += 1
@@ -128,7 +129,7 @@ def candidate_ranks(cfg, params, dcfg, dparams, prompt, answer, *, K: int, width
     from peagle_jax.train.objective import PEagleBatch
 
     x = list(prompt) + list(answer)
-    P, roots = len(prompt), len(answer) - K
+    n_prompt, roots = len(prompt), len(answer) - K
     if roots < 1:
         raise UserError(f"an answer of {len(answer)} tokens is too short for depth {K}")
     T = len(x) - 1  # slot r: input token x[r + 1] with the target's aux states at r (the EAGLE shift)
@@ -144,15 +145,15 @@ def candidate_ranks(cfg, params, dcfg, dparams, prompt, answer, *, K: int, width
         params, jnp.asarray(inputs), jnp.asarray(positions), jnp.asarray(document), cfg=cfg, dtype="float32"
     )
     # Elements: every slot at depth 0 (the committed context), then depths 1..K-1 of each root's anchor
-    # (root i = x[P + i] is the input token of slot P + i - 1).
-    anchors = np.arange(P - 1, P - 1 + roots)
+    # (root i = x[n_prompt + i] is the input token of slot n_prompt + i - 1).
+    anchors = np.arange(n_prompt - 1, n_prompt - 1 + roots)
     anchor = np.concatenate([np.arange(Tp)] + [anchors] * (K - 1))
     depth = np.concatenate([np.zeros(Tp, np.int32)] + [np.full(roots, d) for d in range(1, K)])
-    E = len(anchor)
-    Ep = -(-E // 256) * 256
-    valid = np.zeros(Ep, bool)
-    valid[:E] = True
-    anchor, depth = np.pad(anchor, (0, Ep - E)), np.pad(depth, (0, Ep - E))
+    Y = len(anchor)
+    Yp = -(-Y // 256) * 256
+    valid = np.zeros(Yp, bool)
+    valid[:Y] = True
+    anchor, depth = np.pad(anchor, (0, Yp - Y)), np.pad(depth, (0, Yp - Y))
     batch = PEagleBatch(
         jnp.asarray(tokens),
         aux,
@@ -166,20 +167,20 @@ def candidate_ranks(cfg, params, dcfg, dparams, prompt, answer, *, K: int, width
     embed = None if dcfg.own_embedding else params["embed_tokens"]
     logits, _ = _element_logits()(dparams, batch, embed, cfg=dcfg)
     top_l, top_i = jax.lax.top_k(logits[0], width)  # ranked as the draft ranks them
-    top = np.asarray(to_target_ids(dparams, top_i, dcfg))  # [Ep, width]
-    if probs:  # the candidates' probabilities [Ep, width]
+    top = np.asarray(to_target_ids(dparams, top_i, dcfg))  # [Yp, width]
+    if probs:  # the candidates' probabilities [Yp, width]
         lse = jax.nn.logsumexp(logits[0].astype(jnp.float32), axis=-1)[:, None]
         top_p = np.asarray(jnp.exp(top_l.astype(jnp.float32) - lse))
     out = np.full((roots, K), width, np.int64)
-    p_NKW = np.zeros((roots, K, width), np.float32)
+    cand_probs = np.zeros((roots, K, width), np.float32)
     for d in range(K):
         rows = np.arange(roots) + (anchors[0] if d == 0 else Tp + (d - 1) * roots)
         label = np.asarray(answer[d + 1 : d + 1 + roots])  # root i's depth-(d+1) draft is answer[i + d + 1]
         hit = top[rows] == label[:, None]
         out[:, d] = np.where(hit.any(axis=1), hit.argmax(axis=1), width)
         if probs:
-            p_NKW[:, d] = top_p[rows]
-    return (out, p_NKW) if probs else out
+            cand_probs[:, d] = top_p[rows]
+    return (out, cand_probs) if probs else out
 
 
 @functools.cache
@@ -222,7 +223,7 @@ def _pooled(runs) -> dict:
 
 
 def grow(items, budgets: Sequence[int], *, K: int, width: int, **kw) -> dict[int, frozenset[RankPath]]:
-    """Greedy tree growth on ``items``: per budget N, the tree of N nodes reached by adding, one at a time,
+    """Greedy tree growth on ``items``: per budget n, the tree of n nodes reached by adding, one at a time,
     the node that raises the tokens per step most (ties: the shallower, then lower ranks)."""
     tree: frozenset[RankPath] = frozenset()
     out = {}
@@ -320,9 +321,11 @@ def run(args) -> dict:
     answers = generate_all(plain, prompts, batch=args.batch, max_new_tokens=need, temperature=0.0, stops=[])
     items, probs = [], []
     for prompt, answer in tqdm(list(zip(prompts, answers, strict=True)), desc="ranks", unit="answer"):
-        ranks, p_NKW = candidate_ranks(cfg, params, dcfg, dparams, prompt, answer, K=K, width=args.width, probs=True)
+        ranks, cand_probs = candidate_ranks(
+            cfg, params, dcfg, dparams, prompt, answer, K=K, width=args.width, probs=True
+        )
         items.append((ranks, answer))
-        probs.append(p_NKW)
+        probs.append(cand_probs)
     kw = {"max_new_tokens": args.max_new_tokens, "stops": stop_ids(cfg, tok)}
     search, held = items[0::2], items[1::2]  # alternate questions: MT-Bench is ordered by category
     grown = grow(search, budgets, K=K, width=args.width, **kw)

@@ -38,10 +38,11 @@ _DRAFTER_KEYS = {
 class DrafterConfig:
     """Static, hashable drafter architecture.
 
-    ``layer`` describes the decoder layers (family, width H, heads, RoPE; ``vocab_size`` is the target
-    vocabulary V). The drafter reads ``num_aux`` target hidden states of width ``target_hidden_size`` (Ht),
-    fuses them with ``fc`` into H, and predicts over ``draft_vocab_size`` (U) ids, mapped to target ids by
-    ``d2t`` when ``U < V``. ``own_embedding`` is False when the checkpoint shares the target's table.
+    ``layer`` describes the decoder layers (family, width D, heads, RoPE; ``vocab_size`` is the target
+    vocabulary V). The drafter reads A = ``num_aux`` target hidden states of width ``target_hidden_size``
+    (X = A * that, concatenated), fuses them with ``fc`` into D, and predicts over ``draft_vocab_size`` (U)
+    ids, mapped to target ids by ``d2t`` when ``U < V``. ``own_embedding`` is False when the checkpoint shares
+    the target's table.
     """
 
     layer: ModelConfig
@@ -62,26 +63,26 @@ class DrafterConfig:
     verifier_architectures: tuple[str, ...] = ()
 
     def __post_init__(self):
-        L = self.layer
+        lc = self.layer
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"unknown drafter algorithm {self.algorithm!r}; supported: {', '.join(ALGORITHMS)}")
-        if L.family not in ("llama", "qwen3"):
-            raise ConfigError(f"drafter layers of type {L.family!r} are not supported (llama or qwen3)")
+        if lc.family not in ("llama", "qwen3"):
+            raise ConfigError(f"drafter layers of type {lc.family!r} are not supported (llama or qwen3)")
         if not self.draft_vocab_size:
-            object.__setattr__(self, "draft_vocab_size", L.vocab_size)
+            object.__setattr__(self, "draft_vocab_size", lc.vocab_size)
         if not self.target_hidden_size:
-            object.__setattr__(self, "target_hidden_size", L.hidden_size)
+            object.__setattr__(self, "target_hidden_size", lc.hidden_size)
         if self.aux_layer_ids is not None and len(self.aux_layer_ids) != self.num_aux:
             object.__setattr__(self, "num_aux", len(self.aux_layer_ids))
-        if not 0 < self.draft_vocab_size <= L.vocab_size:
-            raise ConfigError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..vocab_size ({L.vocab_size})")
+        if not 0 < self.draft_vocab_size <= lc.vocab_size:
+            raise ConfigError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..vocab_size ({lc.vocab_size})")
         if self.norm_before_fc and self.fc_norm:
             raise ConfigError("norm_before_fc and fc_norm are mutually exclusive")
         if self.algorithm == "peagle":
             if self.mask_token_id is None:
                 raise ConfigError(f"a parallel (P-EAGLE) drafter needs a mask token id ({' / '.join(MASK_TOKEN_KEYS)})")
-        if self.mask_token_id is not None and not 0 <= self.mask_token_id < L.vocab_size:
-            raise ConfigError(f"mask token id {self.mask_token_id} is outside the vocabulary 0..{L.vocab_size - 1}")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < lc.vocab_size:
+            raise ConfigError(f"mask token id {self.mask_token_id} is outside the vocabulary 0..{lc.vocab_size - 1}")
         if self.speculative_tokens < 1:
             raise ConfigError(f"speculative_tokens must be >= 1, got {self.speculative_tokens}")
 

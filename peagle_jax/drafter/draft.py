@@ -35,21 +35,21 @@ from peagle_jax.models.cache import KVCache
 
 
 class Draft(NamedTuple):
-    """Per depth k (K of them), the top candidates in the *target* vocabulary: ``tokens`` [B, K, n] int32
-    and their draft log-probabilities ``logprobs`` [B, K, n] (over the draft vocab), best first."""
+    """Per depth k (K of them), the ``top_n`` candidates in the *target* vocabulary: ``tokens`` [B, K, top_n]
+    int32 and their draft log-probabilities ``logprobs`` [B, K, top_n] (over the draft vocab), best first."""
 
     tokens: jax.Array
     logprobs: jax.Array
 
 
 def fuse_aux(params, aux_BTX, *, cfg: DrafterConfig):
-    """Target aux hidden states [B, T, A*Ht] -> fused g [B, T, H]."""
+    """Target aux hidden states [B, T, X] -> fused g [B, T, D]."""
     return Drafter(cfg).apply({"params": params}, aux_BTX, method=Drafter.fuse)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def fused_mask_hidden(params, *, cfg: DrafterConfig):
-    """``fc(mask_hidden)`` [H]: computed once when a parallel drafter is loaded, not per step."""
+    """``fc(mask_hidden)`` [D]: computed once when a parallel drafter is loaded, not per step."""
     return Drafter(cfg).apply({"params": params}, method=Drafter.fused_mask_hidden)
 
 
@@ -70,7 +70,7 @@ def drafter_forward(
     """T drafter elements per row at cache slots ``start[b] ..``; the drafter's counterpart of
     :func:`peagle_jax.models.model.forward` (``logits_at_BM`` gathers rows before the LM head).
     Returns ``(DraftForwardOut, cache)``."""
-    start_B, positions_BT, visible_BTS = ops.new_token_layout(
+    start_B, positions_BT, visible_BTW = ops.new_token_layout(
         start_B, tokens_BT.shape[1], cache.num_slots, window, mask_BTT, positions_BT
     )
     return Drafter(cfg).apply(
@@ -79,7 +79,7 @@ def drafter_forward(
         g_BTD,
         positions_BT,
         start_B,
-        visible_BTS,
+        visible_BTW,
         cache,
         embed_VD,
         logits_at_BM,
@@ -112,7 +112,7 @@ def parallel_draft(
     params,
     cache,
     tokens_BC,
-    aux_BCX,
+    aux_BQX,
     count_B,
     start_B,
     mask_g_D,
@@ -125,14 +125,15 @@ def parallel_draft(
 ):
     """P-EAGLE: all K draft depths in one forward pass over a fixed window of ``C + K - 1`` elements.
 
-    ``tokens_BC`` / ``aux_BCX``: the new context elements (token at j+1, target aux states of j), the first
-    ``count_B`` of each row valid (1 <= count <= C), the first at position ``start_B``. ``mask_g_D`` is
-    :func:`fused_mask_hidden`. Returns ``(Draft, cache)`` with ``top_n`` candidates per depth.
+    ``tokens_BC`` / ``aux_BQX``: the new context elements (token at j+1, target aux states of j), the first
+    ``count_B`` of each row valid (1 <= count <= C), the first at position ``start_B``; the aux states may sit
+    in a longer queue of Q >= C slots (:func:`peagle_jax.spec.state.queue_slots`), whose first C are read.
+    ``mask_g_D`` is :func:`fused_mask_hidden`. Returns ``(Draft, cache)`` with ``top_n`` candidates per depth.
     """
     if not cfg.parallel:
         raise ValueError("parallel_draft needs a P-EAGLE drafter (mask token and mask_hidden)")
     B, C = tokens_BC.shape
-    aux_BCX = aux_BCX[:, :C]  # the context may sit in a longer queue (see peagle_jax.spec.state.queue_slots)
+    aux_BCX = aux_BQX[:, :C]
     T = C + K - 1
     count_B = count_B.astype(jnp.int32)
     g_BCD = _context_g(params, aux_BCX, count_B, cfg)
@@ -156,7 +157,7 @@ def sequential_draft(
     params,
     cache,
     tokens_BC,
-    aux_BCX,
+    aux_BQX,
     count_B,
     start_B,
     embed_VD=None,
@@ -174,7 +175,7 @@ def sequential_draft(
     :func:`parallel_draft`; works for P-EAGLE checkpoints too (the baseline P-EAGLE is measured against).
     """
     B, C = tokens_BC.shape
-    aux_BCX = aux_BCX[:, :C]  # the context may sit in a longer queue (see peagle_jax.spec.state.queue_slots)
+    aux_BCX = aux_BQX[:, :C]  # the context may sit in a longer queue (see parallel_draft)
     count_B = count_B.astype(jnp.int32)
     g_BCD = _context_g(params, aux_BCX, count_B, cfg)
     last_B1 = (count_B - 1)[:, None]

@@ -3,13 +3,13 @@
 Parameter tree (names mirror the speculators checkpoint keys; matrices in ``[out, in]`` layout, q/k/v and
 gate/up stacked as in :mod:`peagle_jax.models.layers`):
 
-    embed_tokens [V, H]          only when the checkpoint carries its own (else the target's is passed in)
-    input_norm.weight [A*Ht]     norm_before_fc      fc_norm.{i}.weight [Ht]   fc_norm
-    fc.weight [H, A*Ht]          fuses the concatenated aux hidden states
-    layers.0                     input_layernorm, hidden_norm, self_attn (over 2H inputs), mlp, ...
-    layers.{1..N-1}              plain pre-norm decoder layers
-    norm.weight [H]   lm_head.weight [U, H]
-    mask_hidden [1, 1, A*Ht]     P-EAGLE's hidden placeholder, at the width before fc
+    embed_tokens [V, D]          only when the checkpoint carries its own (else the target's is passed in)
+    input_norm.weight [X]        norm_before_fc      fc_norm.{i}.weight [X/A]  fc_norm
+    fc.weight [D, X]             fuses the concatenated aux hidden states (X = A * the target's width)
+    layers.0                     input_layernorm, hidden_norm, self_attn (over 2D inputs), mlp, ...
+    layers.{1..L-1}              plain pre-norm decoder layers
+    norm.weight [D]   lm_head.weight [U, D]
+    mask_hidden [1, 1, X]        P-EAGLE's hidden placeholder, at the width before fc
     d2t [U] int32, t2d [V] bool  only when U < V; target id = draft id + d2t[draft id]
 
 Layer 0 (per element, with ``e = embed(token)`` and ``g`` the fused hidden): ``residual = g`` (or
@@ -35,7 +35,7 @@ _init = nn.initializers.normal(stddev=0.02)
 
 
 class DraftForwardOut(NamedTuple):
-    """``logits`` [B, M, U] over the draft vocab (M = T, or the gathered rows); ``hidden`` [B, T, H]: the
+    """``logits`` [B, M, U] over the draft vocab (M = T, or the gathered rows); ``hidden`` [B, T, D]: the
     last layer's output (post-norm when ``norm_output``), which sequential drafting feeds back as ``g``."""
 
     logits: jax.Array
@@ -43,19 +43,19 @@ class DraftForwardOut(NamedTuple):
 
 
 class FirstLayer(nn.Module):
-    """Drafter layer 0: attention over ``cat[input_layernorm(embed), hidden_norm(g)]`` (2H wide)."""
+    """Drafter layer 0: attention over ``cat[input_layernorm(embed), hidden_norm(g)]`` (2D wide)."""
 
     cfg: DrafterConfig
 
     @nn.compact
-    def __call__(self, e_BTD, g_BTD, cos_BTH, sin_BTH, k_BGSH, v_BGSH, start_B, visible_BTS):
+    def __call__(self, e_BTD, g_BTD, cos_BTH, sin_BTH, k_BGSH, v_BGSH, start_B, visible_BTW):
         lc, dt = self.cfg.layer, self.cfg.layer.jnp_dtype
         eps = lc.rms_norm_eps
         h_BTD = RMSNorm(eps, dt, name="hidden_norm")(g_BTD)
         residual_BTD = h_BTD if self.cfg.norm_before_residual else g_BTD
-        x_BT2D = jnp.concatenate([RMSNorm(eps, dt, name="input_layernorm")(e_BTD), h_BTD], axis=-1)
+        x = jnp.concatenate([RMSNorm(eps, dt, name="input_layernorm")(e_BTD), h_BTD], axis=-1)  # [B, T, 2D]
         y_BTD, k_BGSH, v_BGSH = Attention(attention_spec(lc), dt, name="self_attn")(
-            x_BT2D, cos_BTH, sin_BTH, k_BGSH, v_BGSH, start_B, visible_BTS
+            x, cos_BTH, sin_BTH, k_BGSH, v_BGSH, start_B, visible_BTW
         )
         h_BTD = residual_BTD + y_BTD
         mlp = MLP(lc.intermediate_size, lc.mlp_bias, dt, name="mlp")
@@ -68,14 +68,15 @@ class Drafter(nn.Module):
     def setup(self):
         c, lc = self.cfg, self.cfg.layer
         dt, eps = lc.jnp_dtype, lc.rms_norm_eps
-        A, Ht, H, V, U = c.num_aux, c.target_hidden_size, lc.hidden_size, lc.vocab_size, c.draft_vocab_size
+        A, D, V, U = c.num_aux, lc.hidden_size, lc.vocab_size, c.draft_vocab_size
+        X = A * c.target_hidden_size
         if c.own_embedding:
-            self.embed_tokens = self.param("embed_tokens", _init, (V, H), dt)
+            self.embed_tokens = self.param("embed_tokens", _init, (V, D), dt)
         if c.norm_before_fc:
             self.input_norm = RMSNorm(eps, dt)
         if c.fc_norm:
             self.fc_norms = [RMSNorm(eps, dt, name=f"fc_norm.{i}") for i in range(A)]
-        self.fc = Linear((H,), dtype=dt)
+        self.fc = Linear((D,), dtype=dt)
         self.first = FirstLayer(c, name="layers.0")
         spec = attention_spec(lc)
         self.rest = [
@@ -85,13 +86,13 @@ class Drafter(nn.Module):
         self.norm = RMSNorm(eps, dt)
         self.lm_head = Linear((U,), dtype=dt)
         if c.parallel:
-            self.mask_hidden = self.param("mask_hidden", _init, (1, 1, A * Ht), dt)
+            self.mask_hidden = self.param("mask_hidden", _init, (1, 1, X), dt)
         if c.has_vocab_map:
             self.d2t = self.param("d2t", nn.initializers.zeros, (U,), jnp.int32)
             self.t2d = self.param("t2d", nn.initializers.zeros, (V,), jnp.bool_)
 
     def fuse(self, aux_BTX):
-        """``fc`` over the concatenated aux hidden states (after the optional input norms): g [B, T, H]."""
+        """``fc`` over the concatenated aux hidden states (after the optional input norms): g [B, T, D]."""
         c = self.cfg
         x = aux_BTX.astype(c.layer.jnp_dtype)
         if c.norm_before_fc:
@@ -102,20 +103,20 @@ class Drafter(nn.Module):
         return self.fc(x)
 
     def fused_mask_hidden(self):
-        """``fc(mask_hidden)`` through the same norms as a real aux vector: [H]. Computed once at load."""
+        """``fc(mask_hidden)`` through the same norms as a real aux vector: [D]. Computed once at load."""
         return self.fuse(self.mask_hidden)[0, 0]
 
     def __call__(
-        self, tokens_BT, g_BTD, positions_BT, start_B, visible_BTS, cache: KVCache, embed_VD=None, logits_at_BM=None
+        self, tokens_BT, g_BTD, positions_BT, start_B, visible_BTW, cache: KVCache, embed_VD=None, logits_at_BM=None
     ):
         c, lc = self.cfg, self.cfg.layer
         table_VD = self.embed_tokens if c.own_embedding else embed_VD
         e_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(lc.jnp_dtype)
         cos_BTH, sin_BTH = ops.rope_cos_sin(positions_BT, ops.rope_inv_freq(lc.rope, lc.head_dim))
-        h_BTD, k, v = self.first(e_BTD, g_BTD, cos_BTH, sin_BTH, cache.k[0], cache.v[0], start_B, visible_BTS)
+        h_BTD, k, v = self.first(e_BTD, g_BTD, cos_BTH, sin_BTH, cache.k[0], cache.v[0], start_B, visible_BTW)
         new_k, new_v = [k], [v]
         for i, layer in enumerate(self.rest, start=1):
-            h_BTD, k, v = layer(h_BTD, cos_BTH, sin_BTH, cache.k[i], cache.v[i], start_B, visible_BTS)
+            h_BTD, k, v = layer(h_BTD, cos_BTH, sin_BTH, cache.k[i], cache.v[i], start_B, visible_BTW)
             new_k.append(k)
             new_v.append(v)
         normed_BTD = self.norm(h_BTD)
@@ -125,9 +126,9 @@ class Drafter(nn.Module):
         logits_BMU = self.lm_head(normed_BTD).astype(jnp.float32)
         return DraftForwardOut(logits_BMU, hidden_BTD), KVCache(tuple(new_k), tuple(new_v))
 
-    def init_all(self, aux_BTX, tokens_BT, positions_BT, start_B, visible_BTS, cache, embed_VD=None):
+    def init_all(self, aux_BTX, tokens_BT, positions_BT, start_B, visible_BTW, cache, embed_VD=None):
         """Touches every submodule once, so that ``init`` creates the whole parameter tree."""
-        return self(tokens_BT, self.fuse(aux_BTX), positions_BT, start_B, visible_BTS, cache, embed_VD)
+        return self(tokens_BT, self.fuse(aux_BTX), positions_BT, start_B, visible_BTW, cache, embed_VD)
 
 
 def init_drafter_params(cfg: DrafterConfig, key: jax.Array):

@@ -1,7 +1,7 @@
 """Drafter checkpoints (speculators or EAGLE / AWS layout) <-> the drafter's parameter tree.
 
 The decoder layers use the target's rules (:func:`peagle_jax.models.weights.decoder_layer_rules`): layer 0 reads
-2H-wide inputs and is named ``layers.0.*`` (speculators) or ``midlayer.*`` (EAGLE / AWS); layers 1..N-1 are
+2D-wide inputs and is named ``layers.0.*`` (speculators) or ``midlayer.*`` (EAGLE / AWS); layers 1..L-1 are
 ``layers.{i}.*`` in both. The drafter's own top-level tensors map one to one. Conversion keeps each tensor's
 dtype (bf16 stays bf16), except ``d2t``, which is int32 here (speculators saves int64) and goes back to the
 dtype the caller names, so that PyTorch -> JAX -> PyTorch is bit for bit.
@@ -56,10 +56,10 @@ def _check_layout(layout: str) -> None:
 
 
 def drafter_rules(cfg: DrafterConfig, layout: str):
-    """The drafter's top-level rules, then layer 0's (2H inputs), then layers 1..N-1 (H inputs); layer 0's
+    """The drafter's top-level rules, then layer 0's (2D inputs), then layers 1..L-1 (D inputs); layer 0's
     rules come first so that they name ``layers.0`` in either layout."""
     _check_layout(layout)
-    lc, H = cfg.layer, cfg.hidden_size
+    lc, D = cfg.layer, cfg.hidden_size
     top = [
         ("embed_tokens.weight", "embed_tokens", _SAME, None),
         ("fc.weight", "fc/weight", _SAME, None),
@@ -73,8 +73,8 @@ def drafter_rules(cfg: DrafterConfig, layout: str):
     ]
     return (
         make_rules(top)
-        + decoder_layer_rules(lc, LAYER0_PREFIX[layout], "layers.0/", 2 * H)
-        + decoder_layer_rules(lc, "layers.{}.", "layers.{}/", H)
+        + decoder_layer_rules(lc, LAYER0_PREFIX[layout], "layers.0/", 2 * D)
+        + decoder_layer_rules(lc, "layers.{}.", "layers.{}/", D)
     )
 
 

@@ -1,12 +1,6 @@
 """Target model configuration, read from and written back to a Hugging Face ``config.json``.
 
-Shape letters used across peagle_jax (the same glossary is in the README):
-
-    B batch rows            T new positions in one call     S cache slots (max sequence length)
-    D model width           F MLP width                     V target vocab
-    N query heads           G key/value heads               R = N // G query heads per kv head
-    H head dim              L layers                        A aux hidden-state taps
-    K number of draft tokens (always, and only, that)
+Shape letters in names (``logits_BTV``) and einsum strings: docs/glossary.md.
 
 A config attribute that changes the math but is not implemented (another RoPE type, sliding windows,
 mixture of experts, ...) is refused with :class:`ConfigError` naming it, never silently ignored.

@@ -6,8 +6,8 @@ to expose heads, so conversion is a rename plus a reshape. ``[out, in]`` is also
 product reads fastest in a decode step (measured: about 15% faster than ``[in, out]`` over SmolLM2's layers).
 Two pairs are stacked, as vLLM stacks them, because one larger matmul beats several small ones:
 
-- ``self_attn.qkv_proj.weight`` ``[G, R+2, H, D]``: for each kv head g, its R query heads (the HF query
-  heads ``g*R .. g*R+R-1``, which share kv head g), then its key head, then its value head. Grouping by kv
+- ``self_attn.qkv_proj.weight`` ``[G, J+2, H, D]``: for each kv head g, its J query heads (the HF query
+  heads ``g*J .. g*J+J-1``, which share kv head g), then its key head, then its value head. Grouping by kv
   head keeps each group whole when the G axis is sharded for tensor parallelism.
 - ``mlp.gate_up_proj.weight`` ``[2, F, D]``: gate then up.
 
@@ -74,21 +74,21 @@ class AttentionSpec:
 
 
 class Attention(nn.Module):
-    """Self-attention over the KV cache. Writes the new keys/values, then attends with ``visible_BTS``."""
+    """Self-attention over the KV cache. Writes the new keys/values, then attends with ``visible_BTW``."""
 
     spec: AttentionSpec
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x_BTD, cos_BTH, sin_BTH, k_BGSH, v_BGSH, start_B, visible_BTS):
+    def __call__(self, x_BTD, cos_BTH, sin_BTH, k_BGSH, v_BGSH, start_B, visible_BTW):
         s, dt = self.spec, self.dtype
 
-        G, R, H = s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim
-        qkv_BTGCH = Linear((G, R + 2, H), use_bias=s.qkv_bias, dtype=dt, name="qkv_proj")(x_BTD)
+        G, J, H = s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim
+        qkv = Linear((G, J + 2, H), use_bias=s.qkv_bias, dtype=dt, name="qkv_proj")(x_BTD)  # [B, T, G, J+2, H]
         B, T = x_BTD.shape[:2]
-        q_BTNH = qkv_BTGCH[:, :, :, :R].reshape(B, T, G * R, H)
-        k_BTGH = qkv_BTGCH[:, :, :, R]
-        v_BTGH = qkv_BTGCH[:, :, :, R + 1]
+        q_BTNH = qkv[:, :, :, :J].reshape(B, T, G * J, H)
+        k_BTGH = qkv[:, :, :, J]
+        v_BTGH = qkv[:, :, :, J + 1]
         if s.qk_norm:
             q_BTNH = RMSNorm(s.eps, dt, name="q_norm")(q_BTNH)
             k_BTGH = RMSNorm(s.eps, dt, name="k_norm")(k_BTGH)
@@ -100,8 +100,8 @@ class Attention(nn.Module):
         # covers every row's context): the cost follows the context, not the cache size.
         # The cache may hold more rows than this call has (a slot engine stepping only its first B rows):
         # the new entries went to rows 0..B-1, and only those rows are read.
-        W = visible_BTS.shape[-1]
-        out_BTNH = ops.attention(q_BTNH, read(k_BGSH[:B, :, :W]), read(v_BGSH[:B, :, :W]), visible_BTS)
+        W = visible_BTW.shape[-1]
+        out_BTNH = ops.attention(q_BTNH, read(k_BGSH[:B, :, :W]), read(v_BGSH[:B, :, :W]), visible_BTW)
         y_BTD = Linear((s.out_dim,), in_axes=2, use_bias=s.o_bias, dtype=dt, name="o_proj")(out_BTNH)
         return y_BTD, k_BGSH, v_BGSH
 
@@ -130,7 +130,7 @@ class DecoderLayer(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x_BTD, cos_BTH, sin_BTH, k_BGSH, v_BGSH, start_B, visible_BTS):
+    def __call__(self, x_BTD, cos_BTH, sin_BTH, k_BGSH, v_BGSH, start_B, visible_BTW):
         eps, dt = self.attn.eps, self.dtype
         y_BTD, k_BGSH, v_BGSH = Attention(self.attn, dt, name="self_attn")(
             RMSNorm(eps, dt, name="input_layernorm")(x_BTD),
@@ -139,7 +139,7 @@ class DecoderLayer(nn.Module):
             k_BGSH,
             v_BGSH,
             start_B,
-            visible_BTS,
+            visible_BTW,
         )
         h_BTD = x_BTD + y_BTD
         mlp = MLP(self.mlp_hidden, self.mlp_bias, dt, name="mlp")

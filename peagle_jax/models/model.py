@@ -2,7 +2,7 @@
 
 Entry points are pure functions of ``(params, cache, inputs)`` with the :class:`ModelConfig` static and the
 cache donated. Each compiles once per input shape: callers pad to fixed buckets (see
-:mod:`peagle_jax.buckets`), so prompt lengths, positions and accepted counts never trigger a compile.
+:mod:`peagle_jax.engine.buckets`), so prompt lengths, positions and accepted counts never trigger a compile.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from peagle_jax.models.layers import AttentionSpec, DecoderLayer, Linear, RMSNor
 
 
 class ForwardOut(NamedTuple):
-    """``logits`` [B, M, V] (M = T, or the gathered positions), ``aux`` [B, T, A*D] (the residual stream
-    entering each aux layer, concatenated in increasing layer id), ``hidden`` [B, T, D] (final normed)."""
+    """``logits`` [B, M, V] (M = T, or the gathered positions), ``aux`` [B, T, X] (the residual stream
+    entering each of the A aux layers, concatenated in increasing layer id), ``hidden`` [B, T, D] (final
+    normed)."""
 
     logits: jax.Array
     aux: jax.Array
@@ -49,7 +50,7 @@ class Transformer(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens_BT, positions_BT, start_B, visible_BTS, cache: KVCache, logits_at_BM=None):
+    def __call__(self, tokens_BT, positions_BT, start_B, visible_BTW, cache: KVCache, logits_at_BM=None):
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         embed_VD = self.param("embed_tokens", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size), dt)
         x_BTD = jnp.take(embed_VD, tokens_BT, axis=0).astype(dt)
@@ -59,7 +60,7 @@ class Transformer(nn.Module):
         for i in range(cfg.num_layers):
             taps[i] = x_BTD
             layer = DecoderLayer(spec, cfg.intermediate_size, cfg.mlp_bias, dt, name=f"layers.{i}")
-            x_BTD, k, v = layer(x_BTD, cos_BTH, sin_BTH, cache.k[i], cache.v[i], start_B, visible_BTS)
+            x_BTD, k, v = layer(x_BTD, cos_BTH, sin_BTH, cache.k[i], cache.v[i], start_B, visible_BTW)
             new_k.append(k)
             new_v.append(v)
         hidden_BTD = RMSNorm(cfg.rms_norm_eps, dt, name="norm")(x_BTD)
@@ -109,7 +110,7 @@ def forward(
     ``start[b]`` are always visible. ``logits_at_BM`` gathers M positions before the LM head (prefill only
     needs the last one). Returns ``(ForwardOut, cache)``.
     """
-    start_B, positions_BT, visible_BTS = ops.new_token_layout(
+    start_B, positions_BT, visible_BTW = ops.new_token_layout(
         start_B, tokens_BT.shape[1], cache.num_slots, window, mask_BTT, positions_BT
     )
     return Transformer(cfg).apply(
@@ -117,7 +118,7 @@ def forward(
         tokens_BT.astype(jnp.int32),
         positions_BT,
         start_B,
-        visible_BTS,
+        visible_BTW,
         cache,
         logits_at_BM,
     )
@@ -138,7 +139,7 @@ def prefill(params, cache, tokens_BT, lengths_B, start_B, *, cfg, window=None):
     Row b's prompt is ``tokens[b, :lengths[b]]``, written at slots ``start[b]..`` (``start`` is 0 for a fresh
     prompt, or the previous chunk's end when a long prompt is prefilled in chunks). Padding positions write
     cache slots beyond the prompt; those are invisible to later queries and overwritten by decoding.
-    Returns logits [B, V] at each row's last prompt token, aux [B, T, A*D], hidden [B, T, D], and the cache.
+    Returns logits [B, V] at each row's last prompt token, aux [B, T, X], hidden [B, T, D], and the cache.
     """
     last_B1 = jnp.maximum(lengths_B - 1, 0).astype(jnp.int32)[:, None]
     out, cache = forward(params, cache, tokens_BT, start_B, cfg=cfg, logits_at_BM=last_B1, window=window)

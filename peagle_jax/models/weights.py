@@ -59,29 +59,29 @@ def decoder_layer_rules(cfg: ModelConfig, hf_prefix: str, path_prefix: str, in_w
     """The rules of a pre-norm decoder layer whose tensors are named ``hf_prefix + 'self_attn.q_proj.weight'``
     etc. and whose parameters live under ``path_prefix``; a ``{}`` in both prefixes stands for the layer index.
 
-    ``in_width`` is what q/k/v read: D for the target's layers and the drafter's layers 1..N-1, 2H for the
+    ``in_width`` is what q/k/v read: D for the target's layers and the drafter's layers 1..L-1, 2D for the
     drafter's layer 0 (``cat[embedding, fused hidden]``). Every other norm (``input_layernorm``,
     ``post_attention_layernorm``, the drafter's ``hidden_norm``) is caught by the last row.
     """
-    N, G, H, D, W = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, in_width
-    R = N // G
+    N, G, H, D, I = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, in_width
+    J = N // G
     # Matrices keep HF's [out, in] layout, reshaped to expose heads. HF q_proj rows are query heads
-    # n = g*R + r; they land in qkv_proj[g, r]; k and v heads in qkv_proj[g, R] and [g, R+1].
-    q_w = (lambda w: w.reshape(G, R, H, W), lambda p: p.reshape(N * H, W))
-    kv_w = (lambda w: w.reshape(G, H, W), lambda p: p.reshape(G * H, W))
-    q_b = (lambda b: b.reshape(G, R, H), lambda p: p.reshape(N * H))
+    # n = g*J + j; they land in qkv_proj[g, j]; k and v heads in qkv_proj[g, J] and [g, J+1].
+    q_w = (lambda w: w.reshape(G, J, H, I), lambda p: p.reshape(N * H, I))
+    kv_w = (lambda w: w.reshape(G, H, I), lambda p: p.reshape(G * H, I))
+    q_b = (lambda b: b.reshape(G, J, H), lambda p: p.reshape(N * H))
     kv_b = (lambda b: b.reshape(G, H), lambda p: p.reshape(G * H))
     o_proj = (lambda w: w.reshape(D, N, H), lambda p: p.reshape(D, N * H))
     same = _SAME
     attn, lay = hf_prefix + "self_attn.", path_prefix + "self_attn/"
     mlp, lmlp = hf_prefix + "mlp.", path_prefix + "mlp/"
     table = [
-        (attn + "q_proj.weight", lay + "qkv_proj/weight", q_w, (_ALL, slice(0, R))),
-        (attn + "k_proj.weight", lay + "qkv_proj/weight", kv_w, (_ALL, R)),
-        (attn + "v_proj.weight", lay + "qkv_proj/weight", kv_w, (_ALL, R + 1)),
-        (attn + "q_proj.bias", lay + "qkv_proj/bias", q_b, (_ALL, slice(0, R))),
-        (attn + "k_proj.bias", lay + "qkv_proj/bias", kv_b, (_ALL, R)),
-        (attn + "v_proj.bias", lay + "qkv_proj/bias", kv_b, (_ALL, R + 1)),
+        (attn + "q_proj.weight", lay + "qkv_proj/weight", q_w, (_ALL, slice(0, J))),
+        (attn + "k_proj.weight", lay + "qkv_proj/weight", kv_w, (_ALL, J)),
+        (attn + "v_proj.weight", lay + "qkv_proj/weight", kv_w, (_ALL, J + 1)),
+        (attn + "q_proj.bias", lay + "qkv_proj/bias", q_b, (_ALL, slice(0, J))),
+        (attn + "k_proj.bias", lay + "qkv_proj/bias", kv_b, (_ALL, J)),
+        (attn + "v_proj.bias", lay + "qkv_proj/bias", kv_b, (_ALL, J + 1)),
         (attn + "o_proj.weight", lay + "o_proj/weight", o_proj, None),
         (attn + "o_proj.bias", lay + "o_proj/bias", same, None),
         (attn + "q_norm.weight", lay + "q_norm/weight", same, None),

@@ -533,7 +533,7 @@ class SlotEngine:
         # (sampling.greedy_graph). Each prefill bucket once (greedy); where the first-token sampler has a
         # sampling variant, it once (it does not depend on the prompt length).
         keys = step_keys(self.row_buckets, trees, gen.window_buckets, greedy_modes())
-        admits = [(L, 0.0) for L in lengths] + [(lengths[0], 1.0)] * (len(greedy_modes()) - 1)
+        admits = [(n, 0.0) for n in lengths] + [(lengths[0], 1.0)] * (len(greedy_modes()) - 1)
         graphs = len(admits) + len(keys)
         calibration = len(self.row_buckets) * len(gen.choices) * CALIBRATION_STEPS if self.policy else 0
         total = graphs + calibration  # the calibration's timed steps compile nothing: not in the budget
@@ -551,8 +551,8 @@ class SlotEngine:
             if progress:
                 progress(done, total)
 
-        for L, t in admits:
-            ev = self.admit(SlotRequest([0] * L, 1, temperature=t, stop_token_ids=[]))
+        for n, t in admits:
+            ev = self.admit(SlotRequest([0] * n, 1, temperature=t, stop_token_ids=[]))
             assert ev.finish_reason == "length"
             advance()
         # Step graphs: one live row (the last of the row bucket) placed so that the step's window is the key's.

@@ -170,7 +170,7 @@ class SpeculativeGenerator(Generator):
 
     def step(self, cache, dcache, state: SpecState, seeds, sampling, *, greedy_only: bool, live, tree=None):
         """One draft -> verify step over every row (``live`` [B] bool: rows whose results count; the others
-        idle in place). Returns (tokens [B, K+1] host, count [B] host, aux [B, K+1, X], cache, dcache) and
+        idle in place). Returns (tokens [B, K+1] host, count [B] host, aux [B, P, X], cache, dcache) and
         adds the live rows to :attr:`spec`; :meth:`SpecState.advance` then moves the rows on.
 
         ``tree`` (default the generator's) may be a smaller tree of depth K' <= K and no more nodes, e.g. a

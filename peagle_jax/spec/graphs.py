@@ -73,15 +73,15 @@ def fused_step(
     return out, cache, dcache
 
 
-def _write_context(ctx_aux_BCX, aux_RWX, at_R, live_R):
-    """Write each live row r's W aux states (the first R rows) at its draft-context slots ``at[r] ..``; slots
-    outside them, and the rows that are not live, keep theirs. Selects, no scatter."""
-    R, W = aux_RWX.shape[:2]
-    rel_RC = jnp.arange(ctx_aux_BCX.shape[1])[None, :] - at_R[:, None]  # aux index of each context slot
-    take_RC1 = (live_R[:, None] & (rel_RC >= 0) & (rel_RC < W))[:, :, None]
-    src_RCX = jnp.take_along_axis(aux_RWX, jnp.clip(rel_RC, 0, W - 1)[:, :, None], axis=1)
-    new_RCX = jnp.where(take_RC1, src_RCX.astype(ctx_aux_BCX.dtype), ctx_aux_BCX[:R])
-    return jax.lax.dynamic_update_slice_in_dim(ctx_aux_BCX, new_RCX, 0, axis=0)
+def _write_context(ctx_aux_BQX, aux_RPX, at_R, live_R):
+    """Write each live row r's P aux states (the first R rows) at its queued draft-context slots
+    ``at[r] ..``; slots outside them, and the rows that are not live, keep theirs. Selects, no scatter."""
+    R, P = aux_RPX.shape[:2]
+    rel_RQ = jnp.arange(ctx_aux_BQX.shape[1])[None, :] - at_R[:, None]  # aux index of each context slot
+    take_RQ1 = (live_R[:, None] & (rel_RQ >= 0) & (rel_RQ < P))[:, :, None]
+    src_RQX = jnp.take_along_axis(aux_RPX, jnp.clip(rel_RQ, 0, P - 1)[:, :, None], axis=1)
+    new_RQX = jnp.where(take_RQ1, src_RQX.astype(ctx_aux_BQX.dtype), ctx_aux_BQX[:R])
+    return jax.lax.dynamic_update_slice_in_dim(ctx_aux_BQX, new_RQX, 0, axis=0)
 
 
 write_context = jax.jit(_write_context, donate_argnums=0)
@@ -101,11 +101,11 @@ def plain_step(params, cache, ctx_aux, root_R, q_R, at_R, live_R, seeds_R, sampl
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "window"), donate_argnames=("dcache", "ctx_aux"))
-def flush_context(dparams, dcache, ctx_tokens_RC, ctx_aux, start_R, last_R, move_R, embed, *, cfg, window):
-    """:meth:`SpeculativeGenerator.make_room` in one graph: the first R rows' C context slots go into the
-    drafter cache at slots ``start ..``, and in each ``move`` row the last pending element (slot ``last``)
+def flush_context(dparams, dcache, ctx_tokens_RQ, ctx_aux, start_R, last_R, move_R, embed, *, cfg, window):
+    """:meth:`SpeculativeGenerator.make_room` in one graph: the first R rows' Q queued context slots go into
+    the drafter cache at slots ``start ..``, and in each ``move`` row the last pending element (slot ``last``)
     moves to slot 0."""
-    R = ctx_tokens_RC.shape[0]
-    dcache = drafter_prefill(dparams, dcache, ctx_tokens_RC, ctx_aux[:R], start_R, embed, cfg=cfg, window=window)
+    R = ctx_tokens_RQ.shape[0]
+    dcache = drafter_prefill(dparams, dcache, ctx_tokens_RQ, ctx_aux[:R], start_R, embed, cfg=cfg, window=window)
     keep_R1X = jnp.take_along_axis(ctx_aux[:R], last_R[:, None, None], axis=1)
     return dcache, _write_context(ctx_aux, keep_R1X, jnp.zeros(R, jnp.int32), move_R)

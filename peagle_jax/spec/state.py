@@ -85,13 +85,14 @@ class SpecState:
     synced: np.ndarray
 
     @classmethod
-    def start(cls, first_B, last_aux_BX, lengths_B, C: int) -> SpecState:
+    def start(cls, first_B, last_aux_BX, lengths_B, Q: int) -> SpecState:
         """After the prefill: one context element per row (the first token with the aux of the last prompt
-        position), at drafter position ``length - 1``; the root is the first token at ``length``."""
+        position) in Q context slots, at drafter position ``length - 1``; the root is the first token at
+        ``length``."""
         B = len(first_B)
-        ctx_tokens = np.zeros((B, C), np.int32)
+        ctx_tokens = np.zeros((B, Q), np.int32)
         ctx_tokens[:, 0] = first_B
-        ctx_aux = jnp.zeros((B, C, last_aux_BX.shape[-1]), last_aux_BX.dtype).at[:, 0].set(last_aux_BX)
+        ctx_aux = jnp.zeros((B, Q, last_aux_BX.shape[-1]), last_aux_BX.dtype).at[:, 0].set(last_aux_BX)
         lengths = np.asarray(lengths_B, np.int32)
         first = np.asarray(first_B).copy()
         return cls(ctx_tokens, ctx_aux, np.ones(B, np.int32), lengths - 1, lengths.copy(), first, np.ones(B, bool))
@@ -104,9 +105,10 @@ class SpecState:
         views = (s.ctx_tokens, s.ctx_aux, s.ctx_count, s.ctx_start, s.q, s.root, s.synced)
         return SpecState(*(x[:R] for x in views))
 
-    def advance(self, tokens_RC, count_R, aux_RWX, live_R) -> None:
+    def advance(self, tokens_RC, count_R, aux_RPX, live_R) -> None:
         """Commit a draft -> verify step's output for the live rows among the first R (= ``len(count_R)``);
-        the others stay in place. ``aux_RWX``: the verify's aux states, W = K' + 1 <= C."""
+        the others stay in place. ``tokens_RC``: the emitted tokens padded to the C = K + 1 slots a draft
+        reads; ``aux_RPX``: the verify's aux states, P = K' + 1 <= C for a step of depth K'."""
         R, live_R = len(count_R), np.asarray(live_R, bool)
         self.ctx_start[:R] = np.where(live_R, self.q[:R], self.ctx_start[:R])
         self.q[:R] += np.where(live_R, count_R, 0).astype(np.int32)
@@ -116,7 +118,7 @@ class SpecState:
         self.ctx_tokens[:R, :C] = np.where(live_R[:, None], tokens_RC, self.ctx_tokens[:R, :C])
         self.ctx_count[:R] = np.where(live_R, count_R, self.ctx_count[:R])
         # Host arguments: an eager jnp.zeros would be a device op of its own (~0.4 ms on the CPU, every step).
-        self.ctx_aux = write_context(self.ctx_aux, aux_RWX, np.zeros(R, np.int32), live_R)
+        self.ctx_aux = write_context(self.ctx_aux, aux_RPX, np.zeros(R, np.int32), live_R)
 
     def advance_plain(self, live_R) -> np.ndarray:
         """A plain step (:func:`plain_step`, which writes the root's aux state at slot ``ctx_count``) was

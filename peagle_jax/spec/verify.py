@@ -31,9 +31,10 @@ from peagle_jax.spec.tree import Tree, chain, parse_tree  # noqa: F401  (re-expo
 
 
 class VerifyOut(NamedTuple):
-    """``tokens`` [B, K+1]: the emitted tokens (accepted drafts then the bonus), ``count`` [B] how many
-    (1..K+1), ``aux`` [B, K+1, A*D]: target aux hidden states of the committed root and accepted nodes
-    (the next draft's context), ``accepted_depths`` [B] = count - 1."""
+    """For a tree of depth K, P = K + 1: ``tokens`` [B, P] the emitted tokens (the accepted drafts then the
+    bonus token; 0 past ``count``), ``count`` [B] how many (1..P; the accepted drafts are ``count - 1``),
+    ``aux`` [B, P, X] the target aux hidden states of the root and the accepted nodes (the next draft's
+    context; past ``count``, the root's again)."""
 
     tokens: jax.Array
     count: jax.Array
@@ -75,7 +76,7 @@ def verify(
     params,
     cache,
     root_B,
-    draft_tokens_BKn,
+    draft_tokens,
     q_B,
     seeds_B,
     sampling: SamplingParams,
@@ -88,17 +89,18 @@ def verify(
     """Verify one static tree of drafts per row against the target, in one forward pass.
 
     ``root_B`` is the last committed token, at position ``q_B`` (not yet in the target cache);
-    ``draft_tokens_BKn`` the draft's candidates per depth (target ids). Writes the root and the tree at
+    ``draft_tokens`` [B, K, top_n] the draft's candidates per depth (target ids, :class:`Draft.tokens
+    <peagle_jax.drafter.draft.Draft>`). Writes the root and the tree at
     slots ``q .. q + size`` (tree mask, RoPE positions ``q + depth``), accepts, and compacts the accepted
     path. Returns ``(VerifyOut, cache)``; the row's next root is ``tokens[count-1]`` at ``q + count``.
     """
     K, T = tree.depth, tree.size + 1
     depths = jnp.asarray((0, *tree.depths), jnp.int32)
-    if tree.size:
-        node_tokens_BN = draft_tokens_BKn[:, jnp.asarray(tree.depths) - 1, jnp.asarray(tree.ranks)]
+    if tree.size:  # the tree's nodes: [B, T - 1]
+        node_tokens = draft_tokens[:, jnp.asarray(tree.depths) - 1, jnp.asarray(tree.ranks)]
     else:  # chain(0): the root alone, i.e. a plain decode step that also returns the root's aux state
-        node_tokens_BN = jnp.zeros((root_B.shape[0], 0), jnp.int32)
-    tokens_BT = jnp.concatenate([root_B[:, None], node_tokens_BN], axis=1).astype(jnp.int32)
+        node_tokens = jnp.zeros((root_B.shape[0], 0), jnp.int32)
+    tokens_BT = jnp.concatenate([root_B[:, None], node_tokens], axis=1).astype(jnp.int32)
     positions_BT = q_B[:, None] + depths[None, :]
     mask_BTT = jnp.broadcast_to(jnp.asarray(tree.mask()), (q_B.shape[0], T, T))
     out, cache = model.forward(
@@ -116,14 +118,14 @@ def verify(
     best_B = argmax_first(score_BT, axis=-1)
     count_B = jnp.take(depths, best_B) + 1
     path_BK = jnp.take(jnp.asarray(tree.ancestors()), best_B, axis=0)  # node at each depth 1..K (0 = beyond)
-    path_nodes_BK1 = jnp.concatenate([jnp.zeros((q_B.shape[0], 1), path_BK.dtype), path_BK], axis=1)  # root first
+    path_nodes_BP = jnp.concatenate([jnp.zeros((q_B.shape[0], 1), path_BK.dtype), path_BK], axis=1)  # root first
     ks = jnp.arange(K + 1)[None, :]
     # Emitted token k (k = 0..K): y of the path node at depth k, valid while k < count.
-    emitted_BK1 = jnp.take_along_axis(y_BT, path_nodes_BK1, axis=1)
-    emitted_BK1 = jnp.where(ks < count_B[:, None], emitted_BK1, 0)
-    aux_BKX = jnp.take_along_axis(out.aux, path_nodes_BK1[:, :, None], axis=1)
+    emitted_BP = jnp.take_along_axis(y_BT, path_nodes_BP, axis=1)
+    emitted_BP = jnp.where(ks < count_B[:, None], emitted_BP, 0)
+    aux_BPX = jnp.take_along_axis(out.aux, path_nodes_BP[:, :, None], axis=1)
     if not tree.is_chain:  # a chain's path already sits at slots q+1..q+K
         cache = model.KVCache(
             tuple(_compact(k, q_B, path_BK) for k in cache.k), tuple(_compact(v, q_B, path_BK) for v in cache.v)
         )
-    return VerifyOut(emitted_BK1.astype(jnp.int32), count_B.astype(jnp.int32), aux_BKX), cache
+    return VerifyOut(emitted_BP.astype(jnp.int32), count_B.astype(jnp.int32), aux_BPX), cache

@@ -19,8 +19,8 @@ an element anchored at -1 (no such depth-0 element; torch's negative indexing th
 document id). Here position 0 is left out of that pool. The per-depth sizes do not change, since the
 pool of depth 1 is always larger than the depth-1 sample.
 
-Fixed shapes: :func:`pad_elements` pads the element list to a static length E with invalid elements
-(``valid`` False), which the objective masks out of attention and loss; :func:`max_elements` bounds E.
+Fixed shapes: :func:`pad_elements` pads the element list to a static length Y with invalid elements
+(``valid`` False), which the objective masks out of attention and loss; :func:`max_elements` bounds Y.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 
 
 class Elements(NamedTuple):
-    """Per element: ``anchor`` and ``depth`` int32, ``valid`` bool (False for padding); all [E] or [B, E]."""
+    """Per element: ``anchor`` and ``depth`` int32, ``valid`` bool (False for padding); all [Y] or [B, Y]."""
 
     anchor: np.ndarray
     depth: np.ndarray
@@ -52,7 +52,7 @@ def depth_sizes_bound(n_seeds: int, num_depths: int, ratio: float = 0.7, ratio_m
 def max_elements(
     seq_len: int, num_depths: int, ratio: float = 0.7, ratio_min: float = 0.2, max_anchors: int | None = None
 ) -> int:
-    """An upper bound on the number of elements of any sequence of ``seq_len`` positions: a static E."""
+    """An upper bound on the number of elements of any sequence of ``seq_len`` positions: a static Y."""
     n_seeds = seq_len if max_anchors is None else min(seq_len, max_anchors)
     return seq_len + sum(depth_sizes_bound(n_seeds, num_depths, ratio, ratio_min))
 
@@ -90,10 +90,10 @@ def cod_sample(
 
 
 def pad_elements(anchor, depth, num_elements: int) -> Elements:
-    """Pad one sequence's elements to the static length E; padding is (anchor 0, depth 0, invalid)."""
+    """Pad one sequence's elements to the static length Y; padding is (anchor 0, depth 0, invalid)."""
     count = anchor.shape[0]
     if count > num_elements:
-        raise ValueError(f"{count} COD elements do not fit in {num_elements}; raise E (see max_elements)")
+        raise ValueError(f"{count} COD elements do not fit in {num_elements}; raise num_elements (see max_elements)")
     pad = num_elements - count
     return Elements(
         np.concatenate([anchor, np.zeros(pad, np.int32)]).astype(np.int32),
@@ -112,7 +112,7 @@ def cod_batch(
     ratio_min: float = 0.2,
     max_anchors: int | None = None,
 ) -> Elements:
-    """COD elements for each row of a batch, each padded to E: :class:`Elements` of [B, E] arrays."""
+    """COD elements for each row of a batch, each padded to Y: :class:`Elements` of [B, Y] arrays."""
     rows = [
         pad_elements(
             *cod_sample(row, num_depths=num_depths, rng=rng, ratio=ratio, ratio_min=ratio_min, max_anchors=max_anchors),

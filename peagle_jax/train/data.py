@@ -3,7 +3,7 @@
 ``batch_at(pos)`` (the step's data position, saved in checkpoints) takes rows ``pos*B .. pos*B+B-1`` of the
 endless sequence of epochs, each epoch a seeded permutation of the training rows, and COD-samples their
 elements with a generator seeded by ``(seed, pos)``. Nothing depends on earlier calls, so a resumed run sees
-exactly the batches an uninterrupted one would. Shapes are static: B rows of T slots and E elements.
+exactly the batches an uninterrupted one would. Shapes are static: B rows of T slots and Y elements.
 
 Features come from a :class:`~peagle_jax.train.features.FeatureCache` (cached) or from the target itself
 (online, :func:`~peagle_jax.train.features.target_features` on the batch's rows).
@@ -46,7 +46,7 @@ class TrainData:
         self.layout = training_layout(rows)
         self.B, self.K, self.seed = batch_size, num_depths, seed
         self.cod = dict(ratio=cod_ratio, ratio_min=cod_ratio_min, max_anchors=max_anchors)
-        self.E = max_elements(rows.tokens.shape[1], num_depths, cod_ratio, cod_ratio_min, max_anchors)
+        self.Y = max_elements(rows.tokens.shape[1], num_depths, cod_ratio, cod_ratio_min, max_anchors)
         self.features, self.target, self.feature_dtype = features, target, feature_dtype
 
     @property
@@ -78,7 +78,7 @@ class TrainData:
         idx = self.rows_at(pos)
         tokens, loss_mask, docs = (a[idx] for a in self.layout)
         elements = cod_batch(
-            loss_mask, self.E, num_depths=self.K, rng=np.random.default_rng((self.seed, 2, pos)), **self.cod
+            loss_mask, self.Y, num_depths=self.K, rng=np.random.default_rng((self.seed, 2, pos)), **self.cod
         )
         aux, hidden = self.feature_rows(idx)
         return PEagleBatch(

@@ -1,8 +1,8 @@
 """The target's hidden states for training: computed online each step, or once into an on-disk cache.
 
 :func:`target_features` runs the target over packed rows (a block-diagonal causal mask keeps conversations
-apart, RoPE positions restart per conversation) and returns the training-aligned ``aux`` [R, T, A*Ht] and
-``target_hidden`` [R, T, Ht] (the final normed state of the *next* slot, zero at a conversation's last slot;
+apart, RoPE positions restart per conversation) and returns the training-aligned ``aux`` [B, T, X] and
+``target_hidden`` [B, T, D] (the final normed state of the *next* slot, zero at a conversation's last slot;
 see :mod:`peagle_jax.train.pack`), cast to the storage dtype. The online source calls it for each batch;
 the cache stores its output for every row. Both go through this one jitted function on the same rows, so
 they give the same batches bit for bit (tested).
@@ -34,27 +34,27 @@ STORAGE_DTYPES = ("float32", "bfloat16")
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
-def target_features(params, tokens_RT, positions_RT, document_RT, *, cfg: ModelConfig, dtype: str):
-    """``(aux [R, T, A*Ht], target_hidden [R, T, Ht])`` of packed rows, in ``dtype``."""
-    R, T = tokens_RT.shape
+def target_features(params, tokens_BT, positions_BT, document_BT, *, cfg: ModelConfig, dtype: str):
+    """``(aux [B, T, X], target_hidden [B, T, D])`` of B packed rows, in ``dtype``."""
+    B, T = tokens_BT.shape
     t_T = jnp.arange(T, dtype=jnp.int32)
-    same_RTT = document_RT[:, :, None] == document_RT[:, None, :]
+    same_BTT = document_BT[:, :, None] == document_BT[:, None, :]
     causal_TT = t_T[:, None] >= t_T[None, :]
-    mask_RTT = (same_RTT & causal_TT[None]) | jnp.eye(T, dtype=bool)[None]  # padding slots see themselves
+    mask_BTT = (same_BTT & causal_TT[None]) | jnp.eye(T, dtype=bool)[None]  # padding slots see themselves
     out, _ = model.forward(
         params,
-        model.new_cache(cfg, R, T),
-        tokens_RT,
-        jnp.zeros((R,), jnp.int32),
+        model.new_cache(cfg, B, T),
+        tokens_BT,
+        jnp.zeros((B,), jnp.int32),
         cfg=cfg,
-        mask_BTT=mask_RTT,
-        positions_BT=positions_RT,
-        logits_at_BM=jnp.zeros((R, 1), jnp.int32),  # the LM head is not needed: one row keeps it cheap
+        mask_BTT=mask_BTT,
+        positions_BT=positions_BT,
+        logits_at_BM=jnp.zeros((B, 1), jnp.int32),  # the LM head is not needed: one row keeps it cheap
     )
-    next_same_RT = jnp.concatenate([document_RT[:, 1:] == document_RT[:, :-1], jnp.zeros((R, 1), bool)], axis=1)
-    hidden_next_RTD = jnp.concatenate([out.hidden[:, 1:], jnp.zeros_like(out.hidden[:, :1])], axis=1)
-    hidden_next_RTD = jnp.where((next_same_RT & (document_RT >= 0))[:, :, None], hidden_next_RTD, 0)
-    return out.aux.astype(dtype), hidden_next_RTD.astype(dtype)
+    next_same_BT = jnp.concatenate([document_BT[:, 1:] == document_BT[:, :-1], jnp.zeros((B, 1), bool)], axis=1)
+    hidden_next_BTD = jnp.concatenate([out.hidden[:, 1:], jnp.zeros_like(out.hidden[:, :1])], axis=1)
+    hidden_next_BTD = jnp.where((next_same_BT & (document_BT >= 0))[:, :, None], hidden_next_BTD, 0)
+    return out.aux.astype(dtype), hidden_next_BTD.astype(dtype)
 
 
 def rows_digest(rows: PackedRows) -> str:
@@ -107,8 +107,8 @@ def build_cache(
         raise DataError(f"feature dtype {dtype!r}: expected one of {', '.join(STORAGE_DTYPES)}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    R = rows.tokens.shape[0]
-    meta = {"rows": R, "seq_len": int(rows.tokens.shape[1]), "dtype": dtype, "chunk_rows": chunk_rows}
+    B = rows.tokens.shape[0]
+    meta = {"rows": B, "seq_len": int(rows.tokens.shape[1]), "dtype": dtype, "chunk_rows": chunk_rows}
     meta["rows_digest"] = rows_digest(rows)
     meta_path = directory / "features.json"
     if meta_path.exists():
@@ -119,14 +119,14 @@ def build_cache(
             raise DataError(f"{directory} caches features of other rows or settings; use a new directory")
     else:
         meta_path.write_text(json.dumps(meta, indent=1))
-    chunks = -(-R // chunk_rows)
+    chunks = -(-B // chunk_rows)
     for i in tqdm(range(chunks), desc="target features", unit="chunk", disable=not progress):
         if (directory / f"hidden-{i:05d}.npy").exists():
             continue
-        sl = slice(i * chunk_rows, min((i + 1) * chunk_rows, R))
+        sl = slice(i * chunk_rows, min((i + 1) * chunk_rows, B))
         n = sl.stop - sl.start
         # Pad the last chunk to the full chunk so that one graph serves every chunk.
-        take = np.minimum(np.arange(sl.start, sl.start + chunk_rows), R - 1)
+        take = np.minimum(np.arange(sl.start, sl.start + chunk_rows), B - 1)
         aux, hidden = target_features(
             params, rows.tokens[take], rows.positions[take], rows.document[take], cfg=cfg, dtype=dtype
         )

@@ -5,7 +5,7 @@ position p holds the input token ``tokens[p]`` (= x_{p+1}), the target's aux hid
 (= of position p), the target's final *normed* hidden state ``target_hidden[p]`` whose draft-vocab logits
 supervise the element at p, the loss mask ``loss_mask[p]`` and ``document_ids[p]`` (-1 = padding).
 
-Elements (see :mod:`peagle_jax.train.cod`): (anchor a, depth d) at position ``p = a + d``; E per row, the
+Elements (see :mod:`peagle_jax.train.cod`): (anchor a, depth d) at position ``p = a + d``; Y per row, the
 invalid ones padding. Depth 0: real token and aux; depth >= 1: the mask token and ``mask_hidden``, both
 through the same input norms and ``fc`` as real aux features. RoPE position ``p``.
 
@@ -17,8 +17,9 @@ Invalid elements are seen by nobody, so their inputs cannot influence the loss; 
 nothing (a uniform, finite softmax) and carry zero loss weight.
 
 Loss: ``sum_e w_e KL(softmax(t_e) || softmax(z_e)) / sum_e w_e`` with z the draft logits, t the target
-logits over the draft vocab and ``w_e = valid_e * loss_mask[p_e]``; no per-depth decay. Shape letters as
-in :mod:`peagle_jax.drafter.model`, plus E elements and K draft depths.
+logits over the draft vocab and ``w_e = valid_e * loss_mask[p_e]``; no per-depth decay. Shape letters:
+docs/glossary.md (Y: elements, K: draft depths). The element fields of :class:`PEagleBatch` still spell Y
+as E (``anchor_BY``, ``depth_BY``, ``valid_BY``) until the tests that build them by keyword move too.
 """
 
 from __future__ import annotations
@@ -38,13 +39,13 @@ class PEagleBatch(NamedTuple):
     """One training batch with static shapes; every field an array (a pytree)."""
 
     tokens_BT: jax.Array  # int32 input token per position
-    aux_BTX: jax.Array  # target aux hidden states, concatenated [A*Ht]
-    target_hidden_BTD: jax.Array  # target final normed hidden states [Ht]
+    aux_BTX: jax.Array  # target aux hidden states, concatenated (X = A * the target's D)
+    target_hidden_BTD: jax.Array  # target final normed hidden states (the target's D)
     loss_mask_BT: jax.Array  # 0/1
     document_ids_BT: jax.Array  # int32, -1 for padding positions
-    anchor_BE: jax.Array  # int32
-    depth_BE: jax.Array  # int32
-    valid_BE: jax.Array  # bool, False for padding elements
+    anchor_BY: jax.Array  # int32 [B, Y] (E here: see the module docstring)
+    depth_BY: jax.Array  # int32 [B, Y]
+    valid_BY: jax.Array  # bool [B, Y], False for padding elements
 
 
 def split_trainable(params) -> tuple[dict, dict]:
@@ -55,54 +56,54 @@ def split_trainable(params) -> tuple[dict, dict]:
     return {k: v for k, v in params.items() if k not in frozen}, frozen
 
 
-def _take(x_BT, idx_BE):
+def _take(x_BT, idx_BY):
     """Gather along the position axis; works for [B, T] and [B, T, X]."""
     if x_BT.ndim == 2:
-        return jnp.take_along_axis(x_BT, idx_BE, axis=1)
-    return jnp.take_along_axis(x_BT, idx_BE[:, :, None], axis=1)
+        return jnp.take_along_axis(x_BT, idx_BY, axis=1)
+    return jnp.take_along_axis(x_BT, idx_BY[:, :, None], axis=1)
 
 
-def element_positions(anchor_BE, depth_BE, num_positions: int):
+def element_positions(anchor_BY, depth_BY, num_positions: int):
     """``anchor + depth``, clipped into the sequence (padding elements may point anywhere)."""
-    return jnp.clip(anchor_BE + depth_BE, 0, num_positions - 1).astype(jnp.int32)
+    return jnp.clip(anchor_BY + depth_BY, 0, num_positions - 1).astype(jnp.int32)
 
 
-def element_mask(anchor_BE, depth_BE, valid_BE, document_ids_BT):
-    """The P-EAGLE attention mask [B, E, E] (query, key), as described in the module docstring."""
+def element_mask(anchor_BY, depth_BY, valid_BY, document_ids_BT):
+    """The P-EAGLE attention mask [B, Y, Y] (query, key), as described in the module docstring."""
     T = document_ids_BT.shape[1]
-    doc_BE = _take(document_ids_BT, jnp.clip(anchor_BE, 0, T - 1))
-    q_anchor, kv_anchor = anchor_BE[:, :, None], anchor_BE[:, None, :]
-    same_doc = doc_BE[:, :, None] == doc_BE[:, None, :]
-    usable = (doc_BE != -1)[:, :, None] & valid_BE[:, :, None] & valid_BE[:, None, :]
-    context = (depth_BE == 0)[:, None, :] & (kv_anchor <= q_anchor)
-    chain = (kv_anchor == q_anchor) & (depth_BE[:, None, :] <= depth_BE[:, :, None])
+    doc_BY = _take(document_ids_BT, jnp.clip(anchor_BY, 0, T - 1))
+    q_anchor, kv_anchor = anchor_BY[:, :, None], anchor_BY[:, None, :]
+    same_doc = doc_BY[:, :, None] == doc_BY[:, None, :]
+    usable = (doc_BY != -1)[:, :, None] & valid_BY[:, :, None] & valid_BY[:, None, :]
+    context = (depth_BY == 0)[:, None, :] & (kv_anchor <= q_anchor)
+    chain = (kv_anchor == q_anchor) & (depth_BY[:, None, :] <= depth_BY[:, :, None])
     return usable & same_doc & (context | chain)
 
 
 def element_inputs(params, batch: PEagleBatch, *, cfg: DrafterConfig):
-    """Tokens [B, E], fused g [B, E, H] and positions [B, E] of the elements: depth 0 real, else mask."""
+    """Tokens [B, Y], fused g [B, Y, D] and positions [B, Y] of the elements: depth 0 real, else mask."""
     T = batch.tokens_BT.shape[1]
-    pos_BE = element_positions(batch.anchor_BE, batch.depth_BE, T)
-    real_BE = batch.depth_BE == 0
-    tokens_BE = jnp.where(real_BE, _take(batch.tokens_BT.astype(jnp.int32), pos_BE), jnp.int32(cfg.mask_token_id))
-    aux_BEX = _take(batch.aux_BTX, pos_BE).astype(cfg.layer.jnp_dtype)
-    aux_BEX = jnp.where(real_BE[:, :, None], aux_BEX, params["mask_hidden"].astype(aux_BEX.dtype))
-    g_BED = Drafter(cfg).apply({"params": params}, aux_BEX, method=Drafter.fuse)
-    return tokens_BE, g_BED, pos_BE
+    pos_BY = element_positions(batch.anchor_BY, batch.depth_BY, T)
+    real_BY = batch.depth_BY == 0
+    tokens_BY = jnp.where(real_BY, _take(batch.tokens_BT.astype(jnp.int32), pos_BY), jnp.int32(cfg.mask_token_id))
+    aux_BYX = _take(batch.aux_BTX, pos_BY).astype(cfg.layer.jnp_dtype)
+    aux_BYX = jnp.where(real_BY[:, :, None], aux_BYX, params["mask_hidden"].astype(aux_BYX.dtype))
+    g_BYD = Drafter(cfg).apply({"params": params}, aux_BYX, method=Drafter.fuse)
+    return tokens_BY, g_BYD, pos_BY
 
 
-def target_logits(target_head_UD, target_hidden_BED):
+def target_logits(target_head_UD, target_hidden_BYD):
     """The target's logits over the draft vocab: its lm_head rows of the draft ids (t2d) applied to its
     final normed hidden states. Frozen: no gradient flows into the target."""
     head_UD = jax.lax.stop_gradient(target_head_UD)
-    hidden_BED = jax.lax.stop_gradient(target_hidden_BED)
-    return ops.linear(head_UD, hidden_BED).astype(jnp.float32)
+    hidden_BYD = jax.lax.stop_gradient(target_hidden_BYD)
+    return ops.linear(head_UD, hidden_BYD).astype(jnp.float32)
 
 
-def kl_per_element(draft_logits_BEU, target_logits_BEU):
-    """``KL(softmax(t) || softmax(z))`` per element, in fp32: [B, E]."""
-    log_p = jax.nn.log_softmax(target_logits_BEU.astype(jnp.float32), axis=-1)
-    log_q = jax.nn.log_softmax(draft_logits_BEU.astype(jnp.float32), axis=-1)
+def kl_per_element(draft_logits_BYU, target_logits_BYU):
+    """``KL(softmax(t) || softmax(z))`` per element, in fp32: [B, Y]."""
+    log_p = jax.nn.log_softmax(target_logits_BYU.astype(jnp.float32), axis=-1)
+    log_q = jax.nn.log_softmax(draft_logits_BYU.astype(jnp.float32), axis=-1)
     return jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
 
 
@@ -114,71 +115,71 @@ def peagle_loss(
     *,
     cfg: DrafterConfig,
     num_depths: int,
-    owned_BE=None,
+    owned_BY=None,
     total_weight=None,
 ):
     """P-EAGLE training loss and metrics; pure, static-shaped, jittable and differentiable in ``params``.
 
-    ``target_head_UD``: the target's lm_head rows of the draft vocab ``[U, Ht]``; ``embed_VD``: the target's
-    embedding table when the drafter shares it. Returns ``(loss, metrics)`` with metrics as sums and
-    counts, so that they aggregate exactly over batches and devices:
+    ``target_head_UD``: the target's lm_head rows of the draft vocab ``[U, D]`` (the target's D);
+    ``embed_VD``: the target's embedding table when the drafter shares it. Returns ``(loss, metrics)`` with
+    metrics as sums and counts, so that they aggregate exactly over batches and devices:
 
     - ``loss_sum_K`` [K]: sum of the weighted per-element KL per depth (``sum / count`` is the depth loss);
     - ``correct_K`` [K]: elements whose draft argmax equals the target argmax (over the draft vocab);
     - ``count_K`` [K]: loss-weighted elements per depth (depths >= K are in the loss but not the metrics).
 
-    Sequence partitioning (:mod:`peagle_jax.train.partition`) passes ``owned_BE`` (the elements whose loss
+    Sequence partitioning (:mod:`peagle_jax.train.partition`) passes ``owned_BY`` (the elements whose loss
     this call counts; the others are context only) and ``total_weight`` (the whole batch's weight, so that
     the partial losses add up to the whole loss).
     """
-    logits_BEU, pos_BE = element_logits(params, batch, embed_VD, cfg=cfg)
-    t_BEU = target_logits(target_head_UD, _take(batch.target_hidden_BTD, pos_BE))
-    kl_BE = kl_per_element(logits_BEU, t_BEU)
-    w_BE = loss_weights(batch, pos_BE)
-    if owned_BE is not None:
-        w_BE = w_BE * owned_BE.astype(jnp.float32)
-    total = jnp.sum(w_BE) if total_weight is None else total_weight
-    loss = jnp.sum(w_BE * kl_BE) / jnp.maximum(total, 1.0)
+    logits_BYU, pos_BY = element_logits(params, batch, embed_VD, cfg=cfg)
+    t_BYU = target_logits(target_head_UD, _take(batch.target_hidden_BTD, pos_BY))
+    kl_BY = kl_per_element(logits_BYU, t_BYU)
+    w_BY = loss_weights(batch, pos_BY)
+    if owned_BY is not None:
+        w_BY = w_BY * owned_BY.astype(jnp.float32)
+    total = jnp.sum(w_BY) if total_weight is None else total_weight
+    loss = jnp.sum(w_BY * kl_BY) / jnp.maximum(total, 1.0)
 
-    return loss, depth_metrics(loss, kl_BE, logits_BEU, t_BEU, w_BE, batch.depth_BE, num_depths)
+    return loss, depth_metrics(loss, kl_BY, logits_BYU, t_BYU, w_BY, batch.depth_BY, num_depths)
 
 
 def element_logits(params, batch: PEagleBatch, embed_VD=None, *, cfg: DrafterConfig):
-    """The drafter's logits [B, E, U] over the draft vocab for every element, in one forward pass under
-    :func:`element_mask`, and the elements' positions [B, E]. What the element (a, d) predicts here is what
+    """The drafter's logits [B, Y, U] over the draft vocab for every element, in one forward pass under
+    :func:`element_mask`, and the elements' positions [B, Y]. What the element (a, d) predicts here is what
     :func:`peagle_jax.drafter.draft.parallel_draft` drafts at depth d + 1 from anchor a (tested)."""
-    B, E = batch.anchor_BE.shape
-    tokens_BE, g_BED, pos_BE = element_inputs(params, batch, cfg=cfg)
-    mask_BEE = element_mask(batch.anchor_BE, batch.depth_BE, batch.valid_BE, batch.document_ids_BT)
+    B, Y = batch.anchor_BY.shape
+    tokens_BY, g_BYD, pos_BY = element_inputs(params, batch, cfg=cfg)
+    mask_BYY = element_mask(batch.anchor_BY, batch.depth_BY, batch.valid_BY, batch.document_ids_BT)
     out, _ = drafter_forward(
         params,
-        new_drafter_cache(cfg, B, E, bits=False),  # gradients flow through the cache
-        tokens_BE,
-        g_BED,
+        new_drafter_cache(cfg, B, Y, bits=False),  # gradients flow through the cache
+        tokens_BY,
+        g_BYD,
         jnp.zeros((B,), jnp.int32),
         cfg=cfg,
         embed_VD=embed_VD,
-        mask_BTT=mask_BEE,
-        positions_BT=pos_BE,
+        mask_BTT=mask_BYY,
+        positions_BT=pos_BY,
     )
-    return out.logits, pos_BE
+    return out.logits, pos_BY
 
 
-def loss_weights(batch: PEagleBatch, pos_BE):
+def loss_weights(batch: PEagleBatch, pos_BY):
     """``valid * loss_mask[position]`` per element, and 0 for an element anchored at a padding position
-    (it attends to nothing, so its output is meaningless): fp32 [B, E]."""
+    (it attends to nothing, so its output is meaningless): fp32 [B, Y]."""
     T = batch.document_ids_BT.shape[1]
-    anchored_BE = _take(batch.document_ids_BT, jnp.clip(batch.anchor_BE, 0, T - 1)) != -1
-    return (batch.valid_BE & anchored_BE & (_take(batch.loss_mask_BT, pos_BE) != 0)).astype(jnp.float32)
+    anchored_BY = _take(batch.document_ids_BT, jnp.clip(batch.anchor_BY, 0, T - 1)) != -1
+    return (batch.valid_BY & anchored_BY & (_take(batch.loss_mask_BT, pos_BY) != 0)).astype(jnp.float32)
 
 
-def depth_metrics(loss, kl_BE, draft_logits_BEU, target_logits_BEU, w_BE, depth_BE, num_depths: int) -> dict:
+def depth_metrics(loss, kl_BY, draft_logits_BYU, target_logits_BYU, w_BY, depth_BY, num_depths: int) -> dict:
     """The metrics dict of :func:`peagle_loss` (sums and counts per depth); shared by every objective."""
-    depth_BEK = jax.nn.one_hot(depth_BE, num_depths, dtype=jnp.float32) * w_BE[:, :, None]
-    correct_BE = ops.argmax_first(draft_logits_BEU, axis=-1) == ops.argmax_first(target_logits_BEU, axis=-1)
+    depth_BYK = jax.nn.one_hot(depth_BY, num_depths, dtype=jnp.float32) * w_BY[:, :, None]
+    correct_BY = ops.argmax_first(draft_logits_BYU, axis=-1) == ops.argmax_first(target_logits_BYU, axis=-1)
     return {
         "loss": loss,
-        "loss_sum_K": jnp.einsum("BE,BEK->K", jax.lax.stop_gradient(kl_BE), depth_BEK),
-        "correct_K": jnp.einsum("BE,BEK->K", correct_BE.astype(jnp.float32), depth_BEK),
-        "count_K": jnp.sum(depth_BEK, axis=(0, 1)),
+        "loss_sum_K": jnp.einsum("BY,BYK->K", jax.lax.stop_gradient(kl_BY), depth_BYK),
+        "correct_K": jnp.einsum("BY,BYK->K", correct_BY.astype(jnp.float32), depth_BYK),
+        "count_K": jnp.sum(depth_BYK, axis=(0, 1)),
     }

@@ -24,8 +24,8 @@ import numpy as np
 
 
 class PackedRows(NamedTuple):
-    """Target inputs of R packed rows of T slots: ``tokens``, ``positions``, ``document`` (int32) and
-    ``response`` (0/1), each [R, T]."""
+    """Target inputs of B packed rows of T slots: ``tokens``, ``positions``, ``document`` (int32) and
+    ``response`` (0/1), each [B, T]."""
 
     tokens: np.ndarray
     positions: np.ndarray
@@ -56,12 +56,12 @@ def pack(conversations: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: 
         else:
             rows.append([i])
             free.append(seq_len - n)
-    R = len(rows)
+    B = len(rows)
     out = PackedRows(
-        np.zeros((R, seq_len), np.int32),
-        np.zeros((R, seq_len), np.int32),
-        np.full((R, seq_len), -1, np.int32),
-        np.zeros((R, seq_len), np.int32),
+        np.zeros((B, seq_len), np.int32),
+        np.zeros((B, seq_len), np.int32),
+        np.full((B, seq_len), -1, np.int32),
+        np.zeros((B, seq_len), np.int32),
     )
     for r, members in enumerate(rows):
         at = 0
@@ -76,15 +76,15 @@ def pack(conversations: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: 
     return out
 
 
-def _next(a_RT: np.ndarray, k: int, fill) -> np.ndarray:
+def _next(a_BT: np.ndarray, k: int, fill) -> np.ndarray:
     """``a[:, r + k]``, ``fill`` past the end."""
-    out = np.full_like(a_RT, fill)
-    out[:, : a_RT.shape[1] - k] = a_RT[:, k:]
+    out = np.full_like(a_BT, fill)
+    out[:, : a_BT.shape[1] - k] = a_BT[:, k:]
     return out
 
 
 def training_layout(rows: PackedRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(tokens, loss_mask, document_ids)`` [R, T] of the training layout (module docstring)."""
+    """``(tokens, loss_mask, document_ids)`` [B, T] of the training layout (module docstring)."""
     doc = rows.document
     same1 = (_next(doc, 1, -1) == doc) & (doc >= 0)
     same2 = (_next(doc, 2, -1) == doc) & (doc >= 0)

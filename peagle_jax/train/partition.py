@@ -1,11 +1,12 @@
 """Sequence partitioning: one long row's P-EAGLE elements in several forward/backward passes, exact gradients.
 
-The attention cost of a row is quadratic in its E elements (about 3.4 T with COD). Partitioning splits the
-row's anchors into S contiguous segments of ``ceil(T / S)`` positions. Segment s runs one forward over
+The attention cost of a row is quadratic in its Y elements (about 3.4 T with COD). Partitioning splits the
+row's anchors into ``segments`` contiguous segments of ``ceil(T / segments)`` positions. Segment s runs one
+forward over
 
 - every depth-0 element anchored before the segment's end (the context its chains attend to, carried
   along; those before the segment's start are context only), and
-- the mask elements (depth >= 1) anchored inside the segment, at most ``M`` of them (padded),
+- the mask elements (depth >= 1) anchored inside the segment, at most ``capacity`` of them (padded),
 
 and counts the loss of the elements it owns (anchored inside it), normalised by the whole row's weight.
 
@@ -30,27 +31,27 @@ from peagle_jax.train.objective import PEagleBatch, element_positions, loss_weig
 
 
 def segment_mask_capacity(num_positions: int, num_elements: int, segments: int, num_depths: int) -> int:
-    """M: the most mask elements one segment can own (static)."""
+    """``capacity``: the most mask elements one segment can own (static)."""
     seg = -(-num_positions // segments)
     return min(num_elements - num_positions, (num_depths - 1) * seg)
 
 
 def segment_batch(batch: PEagleBatch, s, *, segments: int, capacity: int) -> tuple[PEagleBatch, jax.Array]:
-    """Segment ``s`` (traced) of every row: ``(batch with T + M elements, owned [B, T + M])``."""
+    """Segment ``s`` (traced) of every row: ``(batch with T + capacity elements, owned [B, T + capacity])``."""
     B, T = batch.tokens_BT.shape
     seg = -(-T // segments)
     lo, hi = s * seg, (s + 1) * seg
-    a0, v0 = batch.anchor_BE[:, :T], batch.valid_BE[:, :T]
-    am, dm, vm = batch.anchor_BE[:, T:], batch.depth_BE[:, T:], batch.valid_BE[:, T:]
+    a0, v0 = batch.anchor_BY[:, :T], batch.valid_BY[:, :T]
+    am, dm, vm = batch.anchor_BY[:, T:], batch.depth_BY[:, T:], batch.valid_BY[:, T:]
     in_seg = vm & (am >= lo) & (am < hi)
     # The in-segment mask elements first (stable: in their original order), then the rest as padding.
     order = jnp.argsort(~in_seg, axis=1, stable=True)[:, :capacity]
     take = lambda x: jnp.take_along_axis(x, order, axis=1)  # noqa: E731
     sel_valid = take(in_seg)
     part = batch._replace(
-        anchor_BE=jnp.concatenate([a0, take(am)], axis=1),
-        depth_BE=jnp.concatenate([batch.depth_BE[:, :T], take(dm)], axis=1),
-        valid_BE=jnp.concatenate([v0 & (a0 < hi), sel_valid], axis=1),
+        anchor_BY=jnp.concatenate([a0, take(am)], axis=1),
+        depth_BY=jnp.concatenate([batch.depth_BY[:, :T], take(dm)], axis=1),
+        valid_BY=jnp.concatenate([v0 & (a0 < hi), sel_valid], axis=1),
     )
     owned = jnp.concatenate([v0 & (a0 >= lo) & (a0 < hi), sel_valid], axis=1)
     return part, owned
@@ -71,9 +72,9 @@ def partitioned_loss_and_grad(
     """``((loss, metrics), grads)`` of the P-EAGLE loss over ``trainable``, computed segment by segment.
     ``cast`` maps the merged params to the compute dtype (inside the differentiated function)."""
     B, T = batch.tokens_BT.shape
-    E = batch.anchor_BE.shape[1]
-    capacity = segment_mask_capacity(T, E, segments, num_depths)
-    total = jnp.sum(loss_weights(batch, element_positions(batch.anchor_BE, batch.depth_BE, T)))
+    Y = batch.anchor_BY.shape[1]
+    capacity = segment_mask_capacity(T, Y, segments, num_depths)
+    total = jnp.sum(loss_weights(batch, element_positions(batch.anchor_BY, batch.depth_BY, T)))
 
     def segment(carry, s):
         part, owned = segment_batch(batch, s, segments=segments, capacity=capacity)
@@ -86,7 +87,7 @@ def partitioned_loss_and_grad(
                 embed_VD,
                 cfg=cfg,
                 num_depths=num_depths,
-                owned_BE=owned,
+                owned_BY=owned,
                 total_weight=total,
             )
 

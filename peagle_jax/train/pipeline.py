@@ -98,7 +98,7 @@ def save_random_target(cfg: ModelConfig, params, tokenizer, path: Path) -> None:
 
 
 def target_head(params) -> jnp.ndarray:
-    """The target's LM head [V, Ht] (its embedding when tied)."""
+    """The target's LM head [V, D] (its embedding when tied)."""
     return params["lm_head"]["weight"] if "lm_head" in params else params["embed_tokens"]
 
 

@@ -3,9 +3,9 @@
 ``peagle_jax/drafter/shipped/<name>/`` holds a speculators-format drafter (``config.json``, bf16
 ``model.safetensors``) and its training card (``README.md``). The embedded default target (``smollm2``) is
 speculated with ``smollm2-peagle`` unless ``--k 0`` turns speculation off; other targets have no default
-drafter (pass ``--drafter``). A shipped drafter may name the static draft tree ``generate`` decodes with when
-neither ``--k`` nor ``--tree`` is given (:data:`DEFAULT_TREE`); without one, a chain of the config's K. ``serve``
-keeps the chain: with its default slots and context the tree's graphs pass Linux's default mapping limit.
+drafter (pass ``--drafter``). A shipped drafter may name the static draft tree that ``generate`` and ``serve``
+draft when neither ``--k`` nor ``--tree`` is given (:data:`DEFAULT_TREE`, through :func:`default_tree`);
+without one, a chain of the drafter config's K.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from peagle_jax.errors import UserError
 SHIPPED_DIR = Path(__file__).resolve().parent
 # target name (as --model spells it) -> shipped drafter used by default
 DEFAULT_FOR_MODEL = {"smollm2": "smollm2-peagle"}
-# shipped drafter -> the tree generate drafts when neither --k nor --tree is given: the 7-node tree
+# shipped drafter -> the tree generate and serve draft when neither --k nor --tree is given: the 7-node tree
 # `python -m peagle_jax.bench.trees` grew for it (it verifies as many tokens per step as a chain of 7 and
-# drafts only 2 deep; MT-Bench acceptance in the README's "Choosing a tree")
+# drafts only 2 deep; MT-Bench acceptance in docs/bench/trees/README.md)
 DEFAULT_TREE = {"smollm2-peagle": "0,1,2,3,4,00,01"}
 
 
