@@ -71,19 +71,25 @@ def linear(weight, x, in_axes: int = 1, preferred_element_type=None):
     return y_MO.reshape(*lead, *out_shape)
 
 
-def rms_norm(x, weight, eps: float):
-    """Llama RMSNorm: normalise in fp32, cast back, then scale (the Hugging Face order of operations)."""
+def rms_norm(x, weight, eps: float, scale_in_fp32: bool = False):
+    """Llama RMSNorm: normalise in fp32, cast back, then scale (the Hugging Face order of operations).
+    ``scale_in_fp32`` (GPT-OSS): scale in fp32, then cast."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight.reshape((1,) * (x.ndim - 1) + weight.shape) * x32.astype(x.dtype)
+    weight = weight.reshape((1,) * (x.ndim - 1) + weight.shape)
+    if scale_in_fp32:
+        return (weight.astype(jnp.float32) * x32).astype(x.dtype)
+    return weight * x32.astype(x.dtype)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
-    """Inverse frequencies [H/2] in float32, including Llama 3.1 ``llama3`` low-frequency scaling."""
+    """Inverse frequencies [H/2] in float32, including Llama 3.1 ``llama3`` low-frequency scaling and YaRN."""
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
     inv_freq = (np.float32(1.0) / (np.float32(rope.theta) ** exponents)).astype(np.float32)
     if rope.type == "default":
         return inv_freq
+    if rope.type == "yarn":
+        return _yarn_inv_freq(rope, head_dim, inv_freq)
     old_ctx = rope.original_max_position_embeddings
     low_wavelen = old_ctx / rope.low_freq_factor
     high_wavelen = old_ctx / rope.high_freq_factor
@@ -95,11 +101,48 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_cos_sin(positions_BT, inv_freq):
-    """cos and sin tables [B, T, H] for the half-rotation layout used by Hugging Face Llama/Qwen."""
+def _yarn_inv_freq(rope: RopeConfig, head_dim: int, inv_freq: np.ndarray) -> np.ndarray:
+    """transformers' ``_compute_yarn_parameters``: frequencies rotating fewer than ``beta_slow`` times over the
+    original context are interpolated (divided by ``factor``), those rotating more than ``beta_fast`` times
+    kept, with a linear ramp between; ``truncate`` floors/ceils the ramp's ends."""
+
+    def correction_dim(rotations: float) -> float:
+        ctx = rope.original_max_position_embeddings
+        return head_dim * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation = np.float32(1) - ramp.astype(np.float32)
+    pos_freqs = (
+        np.float32(rope.theta) ** (np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim))
+    ).astype(np.float32)
+    interpolated = np.float32(1.0) / (np.float32(rope.factor) * pos_freqs)
+    return (interpolated * (1 - extrapolation) + inv_freq * extrapolation).astype(np.float32)
+
+
+def rope_scale(rope: RopeConfig) -> float:
+    """The factor applied to the cos/sin tables: YaRN's attention factor (``0.1 ln(factor) + 1`` unless the
+    config gives one), 1 otherwise."""
+    if rope.type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    return 0.1 * math.log(rope.factor) + 1.0 if rope.factor > 1 else 1.0
+
+
+def rope_cos_sin(positions_BT, inv_freq, scale: float = 1.0):
+    """cos and sin tables [B, T, H] for the half-rotation layout used by Hugging Face Llama/Qwen (GPT-OSS's
+    half-split rotation is the same), times ``scale`` (:func:`rope_scale`)."""
     freqs = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]  # [B, T, H/2]
     emb_BTH = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb_BTH), jnp.sin(emb_BTH)
+    if scale == 1.0:
+        return jnp.cos(emb_BTH), jnp.sin(emb_BTH)
+    return jnp.cos(emb_BTH) * scale, jnp.sin(emb_BTH) * scale
 
 
 def apply_rope(x, cos_BTH, sin_BTH):
@@ -143,6 +186,19 @@ def new_token_layout(start_B, num_new: int, num_slots: int, window: int | None, 
     return start_B, positions_BT, visible_mask(start_B, num_new, width, mask_BTT)
 
 
+def sliding_visible(visible_BTW, start_B, positions_BT, window: int):
+    """``visible_BTW`` narrowed to a sliding window: a key is visible when ``query position - key position <
+    window`` (transformers' sliding mask). A committed key's position is its slot (committed tokens sit at
+    slot = position; tree compaction keeps that), a new key's is its RoPE position, so a tree's nodes are
+    judged by their path positions, not by the slots they occupy during verification."""
+    B, T, W = visible_BTW.shape
+    slots_W = jnp.arange(W, dtype=jnp.int32)
+    rel_BW = slots_W[None, :] - start_B[:, None]
+    new_pos_BW = jnp.take_along_axis(positions_BT.astype(jnp.int32), jnp.clip(rel_BW, 0, T - 1), axis=1)
+    key_pos_BW = jnp.where(rel_BW >= 0, new_pos_BW, slots_W[None, :])
+    return visible_BTW & (positions_BT[:, :, None] - key_pos_BW[:, None, :] < window)
+
+
 def attention_form(rows: int, dtype=jnp.float32) -> str:
     """How :func:`attention` computes the scores for ``rows`` query rows per kv head (M = J*T) over a cache of
     ``dtype``: up to ``SMALL_ROWS`` (every decode, verify and draft step) ``"K @ q^T"``, or for a bf16
@@ -152,8 +208,11 @@ def attention_form(rows: int, dtype=jnp.float32) -> str:
     return "bf16 kernel" if jnp.dtype(dtype) == jnp.bfloat16 else "K @ q^T"
 
 
-def attention(q_BTNH, k_BGSH, v_BGSH, visible_BTS, form: str | None = None):
+def attention(q_BTNH, k_BGSH, v_BGSH, visible_BTS, form: str | None = None, sinks_N=None):
     """Grouped-query attention of T new queries over S cache slots; softmax in fp32.
+
+    ``sinks_N`` (GPT-OSS): one learned logit per query head that joins each softmax denominator, unscaled and
+    max-subtracted together with the scores, and takes no value.
 
     The J query heads sharing a kv head are folded into the matmul rows (``[M, H] x [S, H]`` with M = J*T, per
     row and kv head), so the cache is read once per kv head. S is the slots given: the caller passes the
@@ -193,7 +252,12 @@ def attention(q_BTNH, k_BGSH, v_BGSH, visible_BTS, form: str | None = None):
         raise ValueError(f"unknown attention form {form!r}")
     scores_BGJTS = scores_BGJTS * (1.0 / math.sqrt(H))
     scores_BGJTS = jnp.where(visible_BTS[:, None, None, :, :], scores_BGJTS, MASK_VALUE)
-    probs_BGJTS = jax.nn.softmax(scores_BGJTS, axis=-1).astype(v_BGSH.dtype)
+    if sinks_N is None:
+        probs_BGJTS = jax.nn.softmax(scores_BGJTS, axis=-1).astype(v_BGSH.dtype)
+    else:  # head n = g * J + j, as q_BGJTH splits it
+        sink_BGJT1 = jnp.broadcast_to(sinks_N.astype(jnp.float32).reshape(1, G, J, 1, 1), (*scores_BGJTS.shape[:4], 1))
+        with_sink = jnp.concatenate([scores_BGJTS, sink_BGJT1], axis=-1)
+        probs_BGJTS = jax.nn.softmax(with_sink, axis=-1)[..., :-1].astype(v_BGSH.dtype)
     if form == "bf16 kernel":  # the same kernel for probs @ V: rows padded, f32 accumulation
         probs_BGZS = jnp.pad(probs_BGJTS.reshape(B, G, M, -1), ((0, 0), (0, 0), (0, Z - M), (0, 0)))
         dims = (((3,), (2,)), ((0, 1), (0, 1)))

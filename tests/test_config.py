@@ -106,10 +106,19 @@ def test_load_hf_config_reads_a_directory(tmp_path):
 
 
 REFUSED = {
-    "yarn": (
-        lambda: hf_dict("llama", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
-        "rope_type 'yarn'",
+    "yarn-mscale": (  # YaRN itself is implemented (tests/test_moe_targets.py); DeepSeek's mscale is not
+        lambda: raw_llama(
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 1e4,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "mscale": 0.7,
+            }
+        ),
+        "rope parameters ['mscale'] are not implemented for rope_type 'yarn'",
     ),
+    "longrope": (lambda: raw_llama(rope_scaling={"rope_type": "longrope", "factor": 2.0}), "rope_type 'longrope'"),
     "dynamic": (lambda: raw_llama(rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_type 'dynamic'"),
     "linear": (lambda: raw_llama(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_type 'linear'"),
     "default-rope-with-factor": (lambda: raw_llama(rope_scaling={"rope_type": "default", "factor": 2.0}), "factor"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from peagle_jax.models.config import ConfigError, ModelConfig, from_hf_config, to_hf_config
+from peagle_jax.models.config import ConfigError, ModelConfig, RopeConfig, from_hf_config, to_hf_config
 
 ALGORITHMS = ("peagle", "eagle3")
 MASK_TOKEN_KEYS = ("mask_token_id", "ptd_token_id", "pard_token")
@@ -247,7 +247,15 @@ def drafter_config_from_dict(d: dict[str, Any], *, dtype: str = "float32") -> tu
 def random_drafter_config(cfg: ModelConfig, layers: int = 2) -> DrafterConfig:
     """A P-EAGLE drafter of the target's shape (width, heads, vocabulary), ``layers`` deep, reading the
     target's aux taps; for SmolLM2 this is the SmolLM2-sized drafter of ``peagle_jax.bench.draft``."""
-    layer = cfg.replace(num_layers=layers, aux_layer_ids=(0,), tie_word_embeddings=True)
+    plain = {}
+    if cfg.moe is not None or cfg.attn_sinks or cfg.sliding_window:
+        # The released drafters of the MoE targets (GPT-OSS, Qwen3-MoE) are plain Llama layers: dense MLP, no
+        # biases, sinks or sliding window, and RoPE of their own (the target's YaRN does not carry over).
+        plain = dict(
+            family="llama", moe=None, attn_sinks=False, sliding_window=None, layer_types=(), qkv_bias=False,
+            o_bias=False, mlp_bias=False, qk_norm=False, rope=RopeConfig(theta=cfg.rope.theta),
+        )  # fmt: skip
+    layer = cfg.replace(num_layers=layers, aux_layer_ids=(0,), tie_word_embeddings=True, **plain)
     return DrafterConfig(
         layer=layer,
         algorithm="peagle",

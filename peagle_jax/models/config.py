@@ -2,8 +2,10 @@
 
 Shape letters in names (``logits_BTV``) and einsum strings: docs/glossary.md.
 
-A config attribute that changes the math but is not implemented (another RoPE type, sliding windows,
-mixture of experts, ...) is refused with :class:`ConfigError` naming it, never silently ignored.
+Families: dense Llama / Qwen2 / Qwen3, and the mixture-of-experts GPT-OSS (attention sinks, per-layer
+sliding windows, YaRN RoPE) and Qwen3-MoE. A config attribute that changes the math but is not implemented
+(another RoPE type, sliding windows outside GPT-OSS, ...) is refused with :class:`ConfigError` naming it,
+never silently ignored.
 """
 
 from __future__ import annotations
@@ -18,9 +20,17 @@ import jax.numpy as jnp
 
 from peagle_jax.errors import UserError
 
-FAMILIES = ("llama", "qwen2", "qwen3")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-ROPE_TYPES = ("default", "llama3")
+FAMILIES = ("llama", "qwen2", "qwen3", "gpt_oss", "qwen3_moe")
+MOE_FAMILIES = ("gpt_oss", "qwen3_moe")
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+ROPE_TYPES = ("default", "llama3", "yarn")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -30,7 +40,9 @@ class ConfigError(UserError):
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding settings. ``llama3`` scales low frequencies as in Llama 3.1."""
+    """Rotary embedding settings. ``llama3`` scales low frequencies as in Llama 3.1; ``yarn`` blends
+    interpolated and extrapolated frequencies between ``beta_fast`` and ``beta_slow`` rotations and scales
+    cos/sin by ``attention_factor`` (default ``0.1 * ln(factor) + 1``), as transformers' YaRN."""
 
     theta: float = 10000.0
     type: str = "default"
@@ -38,6 +50,36 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP (E = ``num_experts``). The router and expert math follow the family:
+
+    - ``gpt_oss``: router with bias, top-k of the logits then softmax over the k; experts with biases and the
+      clamped SwiGLU ``(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``.
+    - ``qwen3_moe``: router without bias, softmax over all E in fp32, top-k, renormalised when
+      ``norm_topk_prob``; experts ``down(silu(gate) * up)`` without bias.
+
+    ``sparse_layers`` are the layers that use it; the others keep the dense MLP of ``intermediate_size``.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    sparse_layers: tuple[int, ...]
+    norm_topk_prob: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    dispatch: str = "dense"  # how tokens reach experts: "dense", "gather" or "auto" (peagle_jax.models.moe)
+
+    def __post_init__(self):
+        if self.dispatch not in ("dense", "gather", "auto"):
+            raise ConfigError(f"MoE dispatch {self.dispatch!r}: choose dense, gather or auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +111,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     aux_layer_ids: tuple[int, ...] = ()
     dtype: str = "float32"
+    attn_sinks: bool = False
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    moe: MoEConfig | None = None
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -79,6 +125,17 @@ class ModelConfig:
             )
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} not supported; choose one of {sorted(DTYPES)}")
+        if self.layer_types and (
+            len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types)
+        ):
+            raise ConfigError(
+                f"layer_types={list(self.layer_types)} must give one of {LAYER_TYPES} for each of the "
+                f"{self.num_layers} layers"
+            )
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ConfigError("layer_types has sliding_attention layers but sliding_window is not set")
+        if (self.moe is not None) != (self.family in MOE_FAMILIES):
+            raise ConfigError(f"a {self.family} model {'needs' if self.moe is None else 'has no'} mixture of experts")
         if not self.aux_layer_ids:
             object.__setattr__(self, "aux_layer_ids", default_aux_layer_ids(self.num_layers))
         for j in self.aux_layer_ids:
@@ -91,6 +148,14 @@ class ModelConfig:
     @property
     def jnp_dtype(self):
         return DTYPES[self.dtype]
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether ``layer`` attends over a sliding window of ``sliding_window`` positions."""
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is the mixture of experts."""
+        return self.moe is not None and layer in self.moe.sparse_layers
 
     @property
     def q_per_kv(self) -> int:
@@ -160,7 +225,20 @@ _KNOWN = {
     "sliding_window",
     "layer_types",
     "partial_rotary_factor",
+    "router_aux_loss_coef",
+    "output_router_logits",
+    "num_local_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "swiglu_alpha",
+    "swiglu_limit",
 }
+# Attributes read for the mixture-of-experts families only (refused elsewhere through _REFUSED_IF_SET).
+_MOE_KEYS = {"num_experts", "num_local_experts", "moe_intermediate_size", "num_experts_per_tok"}
 # Attributes whose mere presence with a non-trivial value means an architecture we do not implement.
 _REFUSED_IF_SET = {
     "num_experts": "mixture of experts",
@@ -175,6 +253,8 @@ _REFUSED_IF_SET = {
 
 
 _LLAMA3_ROPE_KEYS = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+_YARN_KEYS = {"factor", "original_max_position_embeddings"}
+_YARN_OPTIONAL = {"beta_fast", "beta_slow", "truncate", "attention_factor"}
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
@@ -187,26 +267,45 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"rope_type {rope_type!r} is not implemented; supported: {', '.join(ROPE_TYPES)}")
+    base = {"rope_theta", "rope_type", "type"}
     if rope_type == "default":
-        extra = set(params) - {"rope_theta", "rope_type", "type"}
+        extra = set(params) - base
         if extra:
             raise ConfigError(f"rope parameters {sorted(extra)} are not implemented for rope_type 'default'")
         return RopeConfig(theta=float(theta))
-    missing = sorted(_LLAMA3_ROPE_KEYS - set(params))
+    needed = _LLAMA3_ROPE_KEYS if rope_type == "llama3" else _YARN_KEYS
+    missing = sorted(k for k in needed if params.get(k) is None)
     if missing:
-        raise ConfigError(f"rope_type 'llama3' needs rope parameters {missing}, which the config lacks")
-    return RopeConfig(
+        raise ConfigError(f"rope_type {rope_type!r} needs rope parameters {missing}, which the config lacks")
+    extra = sorted(set(params) - base - needed - (_YARN_OPTIONAL if rope_type == "yarn" else set()))
+    if extra:
+        raise ConfigError(f"rope parameters {extra} are not implemented for rope_type {rope_type!r}")
+    common = dict(
         theta=float(theta),
-        type="llama3",
+        type=rope_type,
         factor=float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
         original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )
+    if rope_type == "llama3":
+        return RopeConfig(
+            **common,
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+        )
+    attention_factor = params.get("attention_factor")
+    return RopeConfig(
+        **common,
+        beta_fast=float(params.get("beta_fast") or 32.0),  # transformers: `or 32`, so 0 or None means 32
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=None if attention_factor is None else float(attention_factor),
     )
 
 
 def _refuse_unsupported(hf: dict[str, Any], family: str) -> None:
     for key, what in _REFUSED_IF_SET.items():
+        if family in MOE_FAMILIES and key in _MOE_KEYS:
+            continue
         if hf.get(key):
             raise ConfigError(f"config attribute {key}={hf[key]!r} ({what}) is not supported")
     if hf.get("use_sliding_window"):
@@ -217,12 +316,18 @@ def _refuse_unsupported(hf: dict[str, Any], family: str) -> None:
     if family == "llama" and hf.get("sliding_window"):
         raise ConfigError(f"config attribute sliding_window={hf['sliding_window']!r} is not supported")
     layer_types = hf.get("layer_types")
-    if layer_types and any(t != "full_attention" for t in layer_types):
+    if layer_types and any(t not in LAYER_TYPES for t in layer_types):
+        raise ConfigError(f"config attribute layer_types={sorted(set(layer_types))} is not supported")
+    if family != "gpt_oss" and layer_types and any(t != "full_attention" for t in layer_types):
         raise ConfigError(f"config attribute layer_types={sorted(set(layer_types))} is not supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"config attribute hidden_act={hf['hidden_act']!r} is not supported (only silu)")
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError(f"config attribute partial_rotary_factor={hf['partial_rotary_factor']} is not supported")
+    if family != "qwen3_moe" and (hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1):
+        raise ConfigError("config attributes mlp_only_layers / decoder_sparse_step are read for qwen3_moe only")
+    if family != "gpt_oss" and (hf.get("swiglu_limit") is not None or hf.get("swiglu_alpha") is not None):
+        raise ConfigError("config attributes swiglu_limit / swiglu_alpha are read for gpt_oss only")
     if family == "qwen2" and hf.get("attention_bias") is False:
         raise ConfigError("config attribute attention_bias=False is not supported for qwen2")
     unknown = sorted(k for k in hf if k not in _KNOWN and k not in _REFUSED_IF_SET)
@@ -251,13 +356,22 @@ def from_hf_config(hf: dict[str, Any], *, dtype: str = "float32", aux_layer_ids=
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     if aux_layer_ids is None:
         aux_layer_ids = hf.get("eagle_aux_hidden_state_layer_ids") or ()
-    attention_bias = bool(hf.get("attention_bias", False))
+    attention_bias = bool(hf.get("attention_bias", family == "gpt_oss"))
+    num_layers = int(hf["num_hidden_layers"])
+    layer_types: tuple[str, ...] = ()
+    if family == "gpt_oss":  # transformers' default: even layers slide, odd layers attend fully
+        layer_types = tuple(
+            hf.get("layer_types")
+            or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+        )
+        if all(t == "full_attention" for t in layer_types):
+            layer_types = ()
     return ModelConfig(
         family=family,
         vocab_size=int(hf["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
         head_dim=int(head_dim),
@@ -265,14 +379,49 @@ def from_hf_config(hf: dict[str, Any], *, dtype: str = "float32", aux_layer_ids=
         rope=_rope_from_hf(hf),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=True if family == "qwen2" else attention_bias,
-        o_bias=attention_bias if family == "llama" else False,
+        o_bias=attention_bias if family in ("llama", "gpt_oss", "qwen3_moe") else False,
         mlp_bias=bool(hf.get("mlp_bias", False)) if family == "llama" else False,
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids,
         aux_layer_ids=tuple(int(j) for j in aux_layer_ids),
         dtype=dtype,
+        attn_sinks=family == "gpt_oss",
+        sliding_window=int(hf["sliding_window"]) if layer_types and hf.get("sliding_window") else None,
+        layer_types=layer_types,
+        moe=_moe_from_hf(hf, family, num_layers),
+    )
+
+
+def _moe_from_hf(hf: dict[str, Any], family: str, num_layers: int) -> MoEConfig | None:
+    if family not in MOE_FAMILIES:
+        return None
+    num_experts = hf.get("num_local_experts") or hf.get("num_experts")
+    top_k = hf.get("num_experts_per_tok")
+    if not num_experts or not top_k:
+        raise ConfigError(f"a {family} config needs num_local_experts (or num_experts) and num_experts_per_tok")
+    if not 0 < int(top_k) <= int(num_experts):
+        raise ConfigError(f"num_experts_per_tok={top_k} must be within 1..num_experts={num_experts}")
+    if family == "gpt_oss":
+        return MoEConfig(
+            num_experts=int(num_experts),
+            top_k=int(top_k),
+            intermediate_size=int(hf["intermediate_size"]),
+            sparse_layers=tuple(range(num_layers)),
+            swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+        )
+    if hf.get("moe_intermediate_size") is None:
+        raise ConfigError("a qwen3_moe config needs moe_intermediate_size")
+    step = int(hf.get("decoder_sparse_step", 1))
+    dense = set(hf.get("mlp_only_layers") or ())
+    return MoEConfig(
+        num_experts=int(num_experts),
+        top_k=int(top_k),
+        intermediate_size=int(hf["moe_intermediate_size"]),
+        sparse_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
     )
 
 
@@ -286,6 +435,16 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
             high_freq_factor=cfg.rope.high_freq_factor,
             original_max_position_embeddings=cfg.rope.original_max_position_embeddings,
         )
+    elif cfg.rope.type == "yarn":
+        rope.update(
+            factor=cfg.rope.factor,
+            beta_fast=cfg.rope.beta_fast,
+            beta_slow=cfg.rope.beta_slow,
+            truncate=cfg.rope.truncate,
+            original_max_position_embeddings=cfg.rope.original_max_position_embeddings,
+        )
+        if cfg.rope.attention_factor is not None:
+            rope["attention_factor"] = cfg.rope.attention_factor
     hf: dict[str, Any] = {
         "architectures": [ARCHITECTURES[cfg.family]],
         "model_type": cfg.family,
@@ -309,8 +468,23 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.family == "llama":
         hf["attention_bias"] = cfg.qkv_bias
         hf["mlp_bias"] = cfg.mlp_bias
-    elif cfg.family == "qwen3":
+    elif cfg.family in ("qwen3", "qwen3_moe", "gpt_oss"):
         hf["attention_bias"] = cfg.qkv_bias
+    if cfg.family == "gpt_oss":
+        hf["layer_types"] = list(cfg.layer_types) or ["full_attention"] * cfg.num_layers
+        hf["sliding_window"] = cfg.sliding_window
+        hf["num_local_experts"] = cfg.moe.num_experts
+        hf["num_experts_per_tok"] = cfg.moe.top_k
+        hf["swiglu_alpha"] = cfg.moe.swiglu_alpha
+        hf["swiglu_limit"] = cfg.moe.swiglu_limit
+    elif cfg.family == "qwen3_moe":
+        sparse = set(cfg.moe.sparse_layers)
+        hf["num_experts"] = cfg.moe.num_experts
+        hf["num_experts_per_tok"] = cfg.moe.top_k
+        hf["moe_intermediate_size"] = cfg.moe.intermediate_size
+        hf["norm_topk_prob"] = cfg.moe.norm_topk_prob
+        hf["decoder_sparse_step"] = 1
+        hf["mlp_only_layers"] = [i for i in range(cfg.num_layers) if i not in sparse]
     return hf
 
 

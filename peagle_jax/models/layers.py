@@ -24,6 +24,8 @@ import jax.numpy as jnp
 
 from peagle_jax import ops
 from peagle_jax.models.cache import read, write_rows
+from peagle_jax.models.config import MoEConfig
+from peagle_jax.models.moe import MoE
 
 _init = nn.initializers.normal(stddev=0.02)
 
@@ -52,11 +54,12 @@ class Linear(nn.Module):
 class RMSNorm(nn.Module):
     eps: float
     dtype: jnp.dtype = jnp.float32
+    scale_in_fp32: bool = False  # GPT-OSS: ``(weight * normed).to(dtype)`` rather than Llama's order
 
     @nn.compact
     def __call__(self, x):
         weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
-        return ops.rms_norm(x, weight, self.eps)
+        return ops.rms_norm(x, weight, self.eps, self.scale_in_fp32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +74,7 @@ class AttentionSpec:
     o_bias: bool = False
     qk_norm: bool = False
     eps: float = 1e-6
+    sinks: bool = False  # GPT-OSS: a learned softmax sink logit per query head (``self_attn.sinks`` [N])
 
 
 class Attention(nn.Module):
@@ -101,7 +105,8 @@ class Attention(nn.Module):
         # The cache may hold more rows than this call has (a slot engine stepping only its first B rows):
         # the new entries went to rows 0..B-1, and only those rows are read.
         W = visible_BTW.shape[-1]
-        out_BTNH = ops.attention(q_BTNH, read(k_BGSH[:B, :, :W]), read(v_BGSH[:B, :, :W]), visible_BTW)
+        sinks_N = self.param("sinks", nn.initializers.zeros, (G * J,), dt) if s.sinks else None
+        out_BTNH = ops.attention(q_BTNH, read(k_BGSH[:B, :, :W]), read(v_BGSH[:B, :, :W]), visible_BTW, sinks_N=sinks_N)
         y_BTD = Linear((s.out_dim,), in_axes=2, use_bias=s.o_bias, dtype=dt, name="o_proj")(out_BTNH)
         return y_BTD, k_BGSH, v_BGSH
 
@@ -122,18 +127,22 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm decoder layer: ``h = x + attn(norm(x)); h + mlp(norm(h))``."""
+    """Pre-norm decoder layer: ``h = x + attn(norm(x)); h + mlp(norm(h))``. With ``moe`` the MLP is the
+    mixture of experts of ``family`` (:mod:`peagle_jax.models.moe`); ``family='gpt_oss'`` also scales its
+    norms in fp32."""
 
     attn: AttentionSpec
     mlp_hidden: int
     mlp_bias: bool = False
     dtype: jnp.dtype = jnp.float32
+    moe: MoEConfig | None = None
+    family: str = ""
 
     @nn.compact
     def __call__(self, x_BTD, cos_BTH, sin_BTH, k_BGSH, v_BGSH, start_B, visible_BTW):
-        eps, dt = self.attn.eps, self.dtype
+        eps, dt, fp32 = self.attn.eps, self.dtype, self.family == "gpt_oss"
         y_BTD, k_BGSH, v_BGSH = Attention(self.attn, dt, name="self_attn")(
-            RMSNorm(eps, dt, name="input_layernorm")(x_BTD),
+            RMSNorm(eps, dt, fp32, name="input_layernorm")(x_BTD),
             cos_BTH,
             sin_BTH,
             k_BGSH,
@@ -142,6 +151,9 @@ class DecoderLayer(nn.Module):
             visible_BTW,
         )
         h_BTD = x_BTD + y_BTD
-        mlp = MLP(self.mlp_hidden, self.mlp_bias, dt, name="mlp")
-        h_BTD = h_BTD + mlp(RMSNorm(eps, dt, name="post_attention_layernorm")(h_BTD))
+        if self.moe is None:
+            mlp = MLP(self.mlp_hidden, self.mlp_bias, dt, name="mlp")
+        else:
+            mlp = MoE(self.moe, self.family, dt, name="mlp")
+        h_BTD = h_BTD + mlp(RMSNorm(eps, dt, fp32, name="post_attention_layernorm")(h_BTD))
         return h_BTD, k_BGSH, v_BGSH

@@ -1,4 +1,4 @@
-"""The target LLM (Llama / Qwen2 / Qwen3) as a Flax module, and its pure device entry points.
+"""The target LLM (Llama / Qwen2 / Qwen3 / GPT-OSS / Qwen3-MoE) as a Flax module, and its pure device entry points.
 
 Entry points are pure functions of ``(params, cache, inputs)`` with the :class:`ModelConfig` static and the
 cache donated. Each compiles once per input shape: callers pad to fixed buckets (see
@@ -40,6 +40,7 @@ def attention_spec(cfg: ModelConfig) -> AttentionSpec:
         o_bias=cfg.o_bias,
         qk_norm=cfg.qk_norm,
         eps=cfg.rms_norm_eps,
+        sinks=cfg.attn_sinks,
     )
 
 
@@ -54,16 +55,22 @@ class Transformer(nn.Module):
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         embed_VD = self.param("embed_tokens", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size), dt)
         x_BTD = jnp.take(embed_VD, tokens_BT, axis=0).astype(dt)
-        cos_BTH, sin_BTH = ops.rope_cos_sin(positions_BT, ops.rope_inv_freq(cfg.rope, cfg.head_dim))
+        inv_freq = ops.rope_inv_freq(cfg.rope, cfg.head_dim)
+        cos_BTH, sin_BTH = ops.rope_cos_sin(positions_BT, inv_freq, ops.rope_scale(cfg.rope))
         spec = attention_spec(cfg)
+        sliding_BTW = None
+        if any(cfg.is_sliding(i) for i in range(cfg.num_layers)):
+            sliding_BTW = ops.sliding_visible(visible_BTW, start_B, positions_BT, cfg.sliding_window)
         taps, new_k, new_v = {}, [], []
         for i in range(cfg.num_layers):
             taps[i] = x_BTD
-            layer = DecoderLayer(spec, cfg.intermediate_size, cfg.mlp_bias, dt, name=f"layers.{i}")
-            x_BTD, k, v = layer(x_BTD, cos_BTH, sin_BTH, cache.k[i], cache.v[i], start_B, visible_BTW)
+            moe = cfg.moe if cfg.is_sparse(i) else None
+            layer = DecoderLayer(spec, cfg.intermediate_size, cfg.mlp_bias, dt, moe, cfg.family, name=f"layers.{i}")
+            vis_BTW = sliding_BTW if cfg.is_sliding(i) else visible_BTW
+            x_BTD, k, v = layer(x_BTD, cos_BTH, sin_BTH, cache.k[i], cache.v[i], start_B, vis_BTW)
             new_k.append(k)
             new_v.append(v)
-        hidden_BTD = RMSNorm(cfg.rms_norm_eps, dt, name="norm")(x_BTD)
+        hidden_BTD = RMSNorm(cfg.rms_norm_eps, dt, cfg.family == "gpt_oss", name="norm")(x_BTD)
         h_BMD = hidden_BTD
         if logits_at_BM is not None:
             h_BMD = jnp.take_along_axis(hidden_BTD, logits_at_BM[:, :, None], axis=1)

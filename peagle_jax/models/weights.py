@@ -97,13 +97,113 @@ def decoder_layer_rules(cfg: ModelConfig, hf_prefix: str, path_prefix: str, in_w
     return make_rules(table, group=hf_prefix)
 
 
+def moe_layer_rules(cfg: ModelConfig, hf_prefix: str, path_prefix: str) -> list[_Rule]:
+    """The target-only tensors of GPT-OSS / Qwen3-MoE layers: attention sinks, routers and fused experts
+    (:mod:`peagle_jax.models.moe` has the parameter layouts).
+
+    GPT-OSS stores ``experts.gate_up_proj`` as [E, D, 2F] with gate and up interleaved (gate = ``[..., ::2]``)
+    and ``down_proj`` as [E, F, D]; Qwen3-MoE (transformers 5) as [E, 2F, D] (gate then up) and [E, D, F].
+    Per-expert hub names (``experts.{e}.gate_proj.weight``) are fused first, by :func:`fuse_expert_tensors`.
+    """
+    E = cfg.moe.num_experts if cfg.moe else 0
+    F = cfg.moe.intermediate_size if cfg.moe else 0
+    D = cfg.hidden_size
+    attn, lay = hf_prefix + "self_attn.", path_prefix + "self_attn/"
+    mlp, lmlp = hf_prefix + "mlp.", path_prefix + "mlp/"
+    table = [(attn + "sinks", lay + "sinks", _SAME, None)]
+    if cfg.family == "gpt_oss":
+        gate_up = (
+            lambda w: w.reshape(E, D, F, 2).transpose(0, 3, 2, 1),
+            lambda p: p.transpose(0, 3, 2, 1).reshape(E, D, 2 * F),
+        )
+        gate_up_bias = (
+            lambda b: b.reshape(E, F, 2).transpose(0, 2, 1),
+            lambda p: p.transpose(0, 2, 1).reshape(E, 2 * F),
+        )
+        down = (lambda w: w.transpose(0, 2, 1), lambda p: p.transpose(0, 2, 1))
+        table += [
+            (mlp + "router.weight", lmlp + "router/weight", _SAME, None),
+            (mlp + "router.bias", lmlp + "router/bias", _SAME, None),
+            (mlp + "experts.gate_up_proj", lmlp + "experts/gate_up_proj", gate_up, None),
+            (mlp + "experts.gate_up_proj_bias", lmlp + "experts/gate_up_proj_bias", gate_up_bias, None),
+            (mlp + "experts.down_proj", lmlp + "experts/down_proj", down, None),
+            (mlp + "experts.down_proj_bias", lmlp + "experts/down_proj_bias", _SAME, None),
+        ]
+    elif cfg.family == "qwen3_moe":
+        gate_up = (lambda w: w.reshape(E, 2, F, D), lambda p: p.reshape(E, 2 * F, D))
+        table += [
+            (mlp + "gate.weight", lmlp + "gate/weight", _SAME, None),
+            (mlp + "experts.gate_up_proj", lmlp + "experts/gate_up_proj", gate_up, None),
+            (mlp + "experts.down_proj", lmlp + "experts/down_proj", _SAME, None),
+        ]
+    return make_rules(table, group=hf_prefix)
+
+
+_PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def fuse_expert_tensors(tensors: dict[str, np.ndarray], num_experts: int) -> dict[str, np.ndarray]:
+    """Per-expert hub tensors ``<layer>.mlp.experts.{e}.{gate,up,down}_proj.weight`` (Qwen3-MoE on the hub)
+    stacked into transformers 5's fused ``experts.gate_up_proj`` [E, 2F, D] and ``experts.down_proj``
+    [E, D, F]; every other tensor passes through. Each of the E experts must appear exactly once."""
+    groups: dict[str, dict[tuple[int, str], np.ndarray]] = {}
+    out = {}
+    for name, array in tensors.items():
+        m = _PER_EXPERT.match(name)
+        if m is None:
+            out[name] = array
+            continue
+        e = int(m.group(2))
+        if not 0 <= e < num_experts:
+            raise WeightsError(f"unexpected tensor {name!r}: the config has {num_experts} experts")
+        groups.setdefault(m.group(1), {})[e, m.group(3)] = array
+    for prefix, parts in groups.items():
+        missing = [
+            f"{prefix}.{e}.{w}_proj.weight"
+            for e in range(num_experts)
+            for w in ("gate", "up", "down")
+            if (e, w) not in parts
+        ]
+        if missing:
+            raise WeightsError(f"missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        for fused in (prefix + ".gate_up_proj", prefix + ".down_proj"):
+            if fused in out:
+                raise WeightsError(f"tensor {fused!r} is given both fused and per expert")
+        try:
+            out[prefix + ".gate_up_proj"] = np.stack(
+                [np.concatenate([parts[e, "gate"], parts[e, "up"]], axis=0) for e in range(num_experts)]
+            )
+            out[prefix + ".down_proj"] = np.stack([parts[e, "down"] for e in range(num_experts)])
+        except ValueError as err:
+            raise WeightsError(f"the experts of {prefix!r} have mismatched shapes ({err})") from None
+    return out
+
+
+def split_expert_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The inverse of :func:`fuse_expert_tensors`: fused Qwen3-MoE experts back to the hub's per-expert names."""
+    out = {}
+    for name, array in tensors.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            F = array.shape[1] // 2
+            for e in range(array.shape[0]):
+                out[f"{name[: -len('gate_up_proj')]}{e}.gate_proj.weight"] = array[e, :F]
+                out[f"{name[: -len('gate_up_proj')]}{e}.up_proj.weight"] = array[e, F:]
+        elif name.endswith(".mlp.experts.down_proj"):
+            for e in range(array.shape[0]):
+                out[f"{name[: -len('down_proj')]}{e}.down_proj.weight"] = array[e]
+        else:
+            out[name] = array
+    return out
+
+
 def _rules(cfg: ModelConfig) -> list[_Rule]:
     top = [
         ("model.embed_tokens.weight", "embed_tokens", _SAME, None),
         ("model.norm.weight", "norm/weight", _SAME, None),
         ("lm_head.weight", "lm_head/weight", _SAME, None),
     ]
-    return make_rules(top) + decoder_layer_rules(cfg, "model.layers.{}.", "layers.{}/", cfg.hidden_size)
+    layers = decoder_layer_rules(cfg, "model.layers.{}.", "layers.{}/", cfg.hidden_size)
+    return make_rules(top) + layers + moe_layer_rules(cfg, "model.layers.{}.", "layers.{}/")
 
 
 def _match(rules: list[_Rule], name: str, attr: str) -> tuple[_Rule, tuple[str, ...]] | None:
@@ -256,15 +356,37 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, *, keep_dty
     Values take ``cfg.dtype``, or keep the checkpoint's with ``keep_dtype`` (for lossless conversion)."""
     if cfg.tie_word_embeddings:  # some tied checkpoints store a copy of the embedding; the embedding is used
         tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+    if cfg.family == "qwen3_moe":
+        tensors = fuse_expert_tensors(tensors, cfg.moe.num_experts)
+    tensors = unpack_mxfp4(tensors, "bfloat16" if keep_dtype else cfg.dtype)
     flat = flat_from_tensors(
         tensors, _rules(cfg), expected_shapes(cfg), what=f"{cfg.family} model", keep_dtype=keep_dtype
     )
     return unflatten(flat)
 
 
+def unpack_mxfp4(tensors: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
+    """GPT-OSS checkpoints on the hub store the expert weights as MXFP4 pairs (``NAME_blocks``, ``NAME_scales``):
+    each pair becomes ``NAME`` in ``dtype``, one pair at a time (:func:`peagle_jax.models.mxfp4.dequantize_tensors`),
+    so that peak host memory is the quantized tensors plus the dequantized ones, never an fp32 copy of all.
+    A conversion keeps them in bfloat16, the dtype transformers dequantizes into. Other tensors pass through."""
+    from peagle_jax.models import mxfp4
+
+    if not any(mxfp4.is_mxfp4_name(name) for name in tensors):
+        return tensors
+    return mxfp4.dequantize_tensors(dict(tensors), dtype)
+
+
 def params_to_hf(params: dict, cfg: ModelConfig, *, dtypes: dict | None = None) -> dict[str, np.ndarray]:
-    """The inverse of :func:`params_from_hf`: HF names and layouts, as numpy arrays (cast per ``dtypes``)."""
-    return flat_to_tensors(flatten(params), _rules(cfg), dtypes)
+    """The inverse of :func:`params_from_hf`: HF names and layouts, as numpy arrays (cast per ``dtypes``).
+    Qwen3-MoE experts are written per expert, as on the hub (transformers 5 reads both)."""
+    tensors = flat_to_tensors(flatten(params), _rules(cfg), dtypes)
+    if cfg.family != "qwen3_moe":
+        return tensors
+    tensors = split_expert_tensors(tensors)
+    for name in set(dtypes or ()) & set(tensors):  # the per-expert names that were read
+        tensors[name] = tensors[name].astype(jnp.dtype(dtypes[name]), copy=False)
+    return tensors
 
 
 def read_safetensors(model_dir: str | Path) -> dict[str, np.ndarray]:
