@@ -102,7 +102,8 @@ def torch_tensors(meta: CheckpointMeta, params: dict, layout: str | None = None)
         return tensors, meta.config
     out = layout or meta.layout
     cfg, _ = drafter_config_from_dict(meta.config)
-    cfg = cfg.replace(own_embedding="embed_tokens" in params)
+    full_vocab_map = "d2t" in params and cfg.draft_vocab_size == cfg.layer.vocab_size
+    cfg = cfg.replace(own_embedding="embed_tokens" in params, full_vocab_map=full_vocab_map)
     dtypes = {rename_for_layout(name, meta.layout, out): dtype for name, dtype in meta.tensors.items()}
     config = meta.config if out == meta.layout else _drafter_config_in(cfg, out, dtypes)
     return drafter_params_to_tensors(params, cfg, out, dtypes), config

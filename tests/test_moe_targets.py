@@ -590,3 +590,56 @@ def test_every_serving_graph_exports_lint_clean_with_a_random_drafter(family):
     findings = export_all(graphs, None, write=False)
     assert len(findings) == len(graphs)
     assert all(not found for per_platform in findings.values() for found in per_platform.values())
+
+
+def test_a_released_style_drafter_for_gpt_oss_loads_round_trips_and_decodes_losslessly(tmp_path):
+    """The layout of the released GPT-OSS P-EAGLE drafters (EAGLE/AWS: flat Llama config, ``midlayer.*``,
+    ``ptd_token_id``, ``mask_hidden``, llama3 RoPE in the drafter, 4 layers, a draft vocabulary equal to the
+    target's with identity ``d2t``): it loads, converts to JAX and back bit for bit, and speculative decoding
+    of a GPT-OSS target with it emits plain decoding's tokens past the sliding window."""
+    from peagle_jax.convert import main as convert
+    from peagle_jax.drafter.config import DrafterConfig
+    from peagle_jax.drafter.load import load_drafter, save_drafter
+    from peagle_jax.drafter.model import init_drafter_params
+    from peagle_jax.engine.generator import Generator
+    from peagle_jax.models.config import ModelConfig, RopeConfig
+    from peagle_jax.models.weights import read_safetensors
+    from peagle_jax.spec.generator import SpeculativeGenerator
+
+    cfg, params = _moe_target("gpt_oss")
+    llama3 = RopeConfig(theta=500000.0, type="llama3", factor=32.0, original_max_position_embeddings=8192)
+    layer = ModelConfig(
+        family="llama", vocab_size=cfg.vocab_size, hidden_size=32, intermediate_size=64, num_layers=4,
+        num_heads=4, num_kv_heads=2, head_dim=8, rope=llama3, aux_layer_ids=(0,),
+    )  # fmt: skip
+    dcfg = DrafterConfig(
+        layer=layer, algorithm="peagle", draft_vocab_size=cfg.vocab_size, mask_token_id=5,
+        target_hidden_size=cfg.hidden_size, num_aux=len(cfg.aux_layer_ids), aux_layer_ids=cfg.aux_layer_ids,
+    )  # fmt: skip
+    dparams = jax.tree.map(lambda x: x * 30 if x.ndim > 1 else x, init_drafter_params(dcfg, jax.random.key(2)))
+    src = tmp_path / "aws"
+    save_drafter(src, dcfg, dparams, layout="eagle")
+    config = json.loads((src / "config.json").read_text())
+    assert config["ptd_token_id"] == 5 and config["draft_vocab_size"] == cfg.vocab_size
+    rope = config.get("rope_parameters") or config["rope_scaling"]  # either spelling of the RoPE settings
+    assert rope["rope_type"] == "llama3" and config["num_hidden_layers"] == 4
+    from safetensors.numpy import save_file
+
+    tensors = read_safetensors(src)
+    assert "midlayer.self_attn.q_proj.weight" in tensors and "mask_hidden" in tensors
+    # The released checkpoints carry the identity mapping explicitly: d2t all zero offsets, t2d all true.
+    tensors["d2t"] = np.zeros(cfg.vocab_size, np.int64)
+    tensors["t2d"] = np.ones(cfg.vocab_size, bool)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    assert convert(["to-jax", str(src), str(tmp_path / "jax")]) == 0
+    assert convert(["to-torch", str(tmp_path / "jax"), str(tmp_path / "back")]) == 0
+    back = read_safetensors(tmp_path / "back")
+    assert back.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and np.array_equal(back[name], t), name
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == config
+    loaded_cfg, loaded = load_drafter(src)
+    kw = dict(max_new_tokens=30, stop_token_ids=[])
+    plain = Generator(cfg, params, max_seq_len=64).generate(PROMPTS, **kw)
+    gen = SpeculativeGenerator(cfg, params, loaded_cfg, loaded, k=3, max_seq_len=64)
+    assert [r.token_ids for r in gen.generate(PROMPTS, **kw)] == [r.token_ids for r in plain]

@@ -61,6 +61,9 @@ class DrafterConfig:
     speculative_tokens: int = 7
     verifier_name_or_path: str | None = None
     verifier_architectures: tuple[str, ...] = ()
+    # The checkpoint carries ``d2t`` / ``t2d`` although the draft vocabulary is the whole target vocabulary
+    # (the released GPT-OSS P-EAGLE drafters: an identity map), so that conversion writes them back.
+    full_vocab_map: bool = False
 
     def __post_init__(self):
         lc = self.layer
@@ -92,8 +95,9 @@ class DrafterConfig:
 
     @property
     def has_vocab_map(self) -> bool:
-        """Whether ``d2t`` / ``t2d`` exist (speculators omits them when U == V)."""
-        return self.draft_vocab_size != self.layer.vocab_size
+        """Whether ``d2t`` / ``t2d`` exist: when U < V, and when a checkpoint with U == V carries them
+        (:attr:`full_vocab_map`; speculators omits them then)."""
+        return self.draft_vocab_size != self.layer.vocab_size or self.full_vocab_map
 
     @property
     def hidden_size(self) -> int:

@@ -39,7 +39,8 @@ def load_drafter(path: str | Path, *, dtype: str = "float32") -> tuple[DrafterCo
         if meta.kind != "drafter":
             raise CheckpointError(f"{path} holds a {meta.kind} model, not a drafter")
         cfg, _ = drafter_config_from_dict(meta.config, dtype=dtype)
-        cfg = cfg.replace(own_embedding="embed_tokens" in params)
+        full_vocab_map = "d2t" in params and cfg.draft_vocab_size == cfg.layer.vocab_size
+        cfg = cfg.replace(own_embedding="embed_tokens" in params, full_vocab_map=full_vocab_map)
         check_drafter_params(flatten(params), cfg)
     elif path.is_dir():
         cfg, layout, _, tensors = read_torch_drafter(path, dtype=dtype)

@@ -131,8 +131,10 @@ def drafter_params_to_tensors(
 
 
 def with_embedding_of(cfg: DrafterConfig, names) -> DrafterConfig:
-    """``cfg`` with ``own_embedding`` following whether ``embed_tokens.weight`` is among ``names``."""
-    return cfg.replace(own_embedding="embed_tokens.weight" in names)
+    """``cfg`` following the optional tensors among ``names``: ``own_embedding`` whether
+    ``embed_tokens.weight`` is there, ``full_vocab_map`` whether a full-vocabulary drafter carries ``d2t``."""
+    full = cfg.draft_vocab_size == cfg.layer.vocab_size and "d2t" in names
+    return cfg.replace(own_embedding="embed_tokens.weight" in names, full_vocab_map=full)
 
 
 def rename_for_layout(name: str, src: str, dst: str) -> str:
