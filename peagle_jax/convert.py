@@ -50,7 +50,8 @@ def read_source(src: str | Path) -> tuple[CheckpointMeta, dict]:
     from peagle_jax.drafter.load import read_torch_drafter
     from peagle_jax.drafter.weights import IGNORED, drafter_params_from_tensors
     from peagle_jax.models.config import from_hf_config
-    from peagle_jax.models.weights import SKIPPED, params_from_hf, read_safetensors, unpack_mxfp4
+    from peagle_jax.models.tensors import dequantized, open_safetensors
+    from peagle_jax.models.weights import SKIPPED, params_from_hf
 
     src = Path(src)
     if is_jax_checkpoint(src):
@@ -61,9 +62,9 @@ def read_source(src: str | Path) -> tuple[CheckpointMeta, dict]:
         dtypes = {name: str(t.dtype) for name, t in tensors.items() if not IGNORED.match(name)}
         return CheckpointMeta("drafter", layout, config, dtypes, own_embedding=cfg.own_embedding), params
     config = read_config_json(src)
-    tensors = unpack_mxfp4(read_safetensors(src), "bfloat16")  # MXFP4 experts are written back unquantized
+    tensors = dequantized(open_safetensors(src), "bfloat16")  # MXFP4 experts are written back unquantized
     params = params_from_hf(tensors, from_hf_config(config), keep_dtype=True)
-    dtypes = {name: str(t.dtype) for name, t in tensors.items() if not SKIPPED.match(name)}
+    dtypes = {name: str(tensors.dtype(name)) for name in tensors if not SKIPPED.match(name)}
     return CheckpointMeta("target", "hf", config, dtypes), params
 
 

@@ -16,6 +16,7 @@ from peagle_jax.errors import UserError
 from peagle_jax.models import model as M
 from peagle_jax.models import weights as W
 from peagle_jax.models.config import from_hf_config, to_hf_config
+from peagle_jax.models.tensors import fused_experts
 from peagle_jax.models.weights import load_target
 
 WINDOW, SEQ = 8, 40
@@ -184,7 +185,7 @@ def test_fused_qwen3_moe_experts_load_like_per_expert_ones(save_hf):
     path = save_hf(hf)
     cfg, params = load_target(path)
     tensors = W.read_safetensors(path)
-    fused = W.fuse_expert_tensors(tensors, cfg.moe.num_experts)
+    fused = fused_experts(tensors, cfg.moe.num_experts)
     assert "model.layers.0.mlp.experts.gate_up_proj" in fused
     assert not any(".experts.0." in name for name in fused)
     flat, again = W.flatten(params), W.flatten(W.params_from_hf(fused, cfg))

@@ -8,27 +8,28 @@ Decoder layers are described once, by :func:`decoder_layer_rules`, for the targe
 
 from __future__ import annotations
 
-import json
-import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
-from peagle_jax.errors import UserError
 from peagle_jax.models.config import ModelConfig, load_hf_config
+from peagle_jax.models.tensors import (  # noqa: F401 (read_safetensors, write_safetensors, parse_size: re-exported)
+    TensorSource,
+    WeightsError,
+    dequantized,
+    fused_experts,
+    open_safetensors,
+    parse_size,
+    read_safetensors,
+    write_safetensors,
+)
 
 # Tensors that checkpoints may carry but that the math derives by itself.
 SKIPPED = re.compile(r".*rotary_emb\.inv_freq$")
-
-
-class WeightsError(UserError):
-    """A checkpoint that does not fit the config; the message names the tensor or file."""
 
 
 _ALL = slice(None)
@@ -103,7 +104,8 @@ def moe_layer_rules(cfg: ModelConfig, hf_prefix: str, path_prefix: str) -> list[
 
     GPT-OSS stores ``experts.gate_up_proj`` as [E, D, 2F] with gate and up interleaved (gate = ``[..., ::2]``)
     and ``down_proj`` as [E, F, D]; Qwen3-MoE (transformers 5) as [E, 2F, D] (gate then up) and [E, D, F].
-    Per-expert hub names (``experts.{e}.gate_proj.weight``) are fused first, by :func:`fuse_expert_tensors`.
+    Per-expert hub names (``experts.{e}.gate_proj.weight``) are fused first
+    (:func:`~peagle_jax.models.tensors.fused_experts`).
     """
     E = cfg.moe.num_experts if cfg.moe else 0
     F = cfg.moe.intermediate_size if cfg.moe else 0
@@ -139,48 +141,9 @@ def moe_layer_rules(cfg: ModelConfig, hf_prefix: str, path_prefix: str) -> list[
     return make_rules(table, group=hf_prefix)
 
 
-_PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-
-
-def fuse_expert_tensors(tensors: dict[str, np.ndarray], num_experts: int) -> dict[str, np.ndarray]:
-    """Per-expert hub tensors ``<layer>.mlp.experts.{e}.{gate,up,down}_proj.weight`` (Qwen3-MoE on the hub)
-    stacked into transformers 5's fused ``experts.gate_up_proj`` [E, 2F, D] and ``experts.down_proj``
-    [E, D, F]; every other tensor passes through. Each of the E experts must appear exactly once."""
-    groups: dict[str, dict[tuple[int, str], np.ndarray]] = {}
-    out = {}
-    for name, array in tensors.items():
-        m = _PER_EXPERT.match(name)
-        if m is None:
-            out[name] = array
-            continue
-        e = int(m.group(2))
-        if not 0 <= e < num_experts:
-            raise WeightsError(f"unexpected tensor {name!r}: the config has {num_experts} experts")
-        groups.setdefault(m.group(1), {})[e, m.group(3)] = array
-    for prefix, parts in groups.items():
-        missing = [
-            f"{prefix}.{e}.{w}_proj.weight"
-            for e in range(num_experts)
-            for w in ("gate", "up", "down")
-            if (e, w) not in parts
-        ]
-        if missing:
-            raise WeightsError(f"missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        for fused in (prefix + ".gate_up_proj", prefix + ".down_proj"):
-            if fused in out:
-                raise WeightsError(f"tensor {fused!r} is given both fused and per expert")
-        try:
-            out[prefix + ".gate_up_proj"] = np.stack(
-                [np.concatenate([parts[e, "gate"], parts[e, "up"]], axis=0) for e in range(num_experts)]
-            )
-            out[prefix + ".down_proj"] = np.stack([parts[e, "down"] for e in range(num_experts)])
-        except ValueError as err:
-            raise WeightsError(f"the experts of {prefix!r} have mismatched shapes ({err})") from None
-    return out
-
-
 def split_expert_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The inverse of :func:`fuse_expert_tensors`: fused Qwen3-MoE experts back to the hub's per-expert names."""
+    """Fused Qwen3-MoE experts back to the hub's per-expert names (inverse of
+    :func:`~peagle_jax.models.tensors.fused_experts`)."""
     out = {}
     for name, array in tensors.items():
         if name.endswith(".mlp.experts.gate_up_proj"):
@@ -264,22 +227,30 @@ def unflatten(flat: dict[str, object]) -> dict:
 
 
 def flat_from_tensors(
-    tensors: dict[str, np.ndarray],
+    tensors: Mapping[str, np.ndarray],
     rules: list[_Rule],
     expected: dict[str, tuple[tuple[int, ...], np.dtype]],
     *,
     what: str,
     keep_dtype: bool = False,
     skip: re.Pattern = SKIPPED,
-) -> dict[str, np.ndarray]:
+    place: Callable[[str, np.ndarray], object] | None = None,
+    progress: bool = False,
+) -> dict[str, object]:
     """Map named tensors onto flat parameter paths through ``rules``, checking every tensor.
 
-    ``what`` names the model in errors. Values are cast to the expected dtype, or with ``keep_dtype`` keep
-    the checkpoint's (a stacked parameter whose parts differ takes float32, which holds every half value).
+    Every name and shape is checked before any tensor is read; then each parameter is read (its parts only,
+    from a :class:`~peagle_jax.models.tensors.TensorSource` that reads on demand), converted and handed to
+    ``place(path, array)`` (for example ``jax.device_put``) before the next is read, so that the host holds the
+    placed parameters plus one parameter's parts. ``what`` names the model in errors. Values are cast to the
+    expected dtype, or with ``keep_dtype`` keep the checkpoint's (a stacked parameter whose parts differ takes
+    float32, which holds every half value).
     """
-    parts: dict[str, list[tuple[_Rule, np.ndarray]]] = {}
-    seen: set[str] = set()
-    for name, array in tensors.items():
+    from tqdm import tqdm
+
+    source = TensorSource.of(tensors)
+    by_path: dict[str, list[tuple[_Rule, str]]] = {}
+    for name in source:
         if skip.match(name):
             continue
         found = _match(rules, name, "hf_re")
@@ -295,28 +266,32 @@ def flat_from_tensors(
         shape, _ = expected[path]
         want = shape if rule.index is None else np.empty(shape, np.int8)[rule.index].shape
         hf_shape = tuple(rule.to_hf(np.empty(want, np.int8)).shape)
-        if tuple(np.shape(array)) != hf_shape:  # checked before to_jax, whose reshape would fail unnamed
+        if source.shape(name) != hf_shape:  # checked before to_jax, whose reshape would fail unnamed
             raise WeightsError(
-                f"tensor {name!r} has shape {tuple(np.shape(array))}, which does not fit the config "
+                f"tensor {name!r} has shape {source.shape(name)}, which does not fit the config "
                 f"(expected {hf_shape})"
             )
-        parts.setdefault(path, []).append((rule, rule.to_jax(np.asarray(array))))
-        seen.add(name)
+        by_path.setdefault(path, []).append((rule, name))
+    seen = {name for items in by_path.values() for _, name in items}
     missing = sorted(hf for path in expected for _, hf in _parts(rules, path) if hf not in seen)
     if missing:
         raise WeightsError(f"missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    flat: dict[str, np.ndarray] = {}
-    for path, items in parts.items():
+    flat: dict[str, object] = {}
+    for path, items in tqdm(by_path.items(), desc="loading", unit="tensor", disable=None if progress else True):
         shape, dtype = expected[path]
+        parts = [(rule, rule.to_jax(np.asarray(source[name]))) for rule, name in items]  # one parameter's parts
         if keep_dtype:
-            dtypes = {value.dtype for _, value in items}
+            dtypes = {part.dtype for _, part in parts}
             dtype = dtypes.pop() if len(dtypes) == 1 else np.dtype(np.float32)
-        if items[0][0].index is None:
-            flat[path] = items[0][1].astype(dtype, copy=not keep_dtype)
+        if parts[0][0].index is None:
+            value = parts[0][1].astype(dtype, copy=not keep_dtype)
         else:
-            flat[path] = np.empty(shape, dtype)
-            for rule, value in items:
-                flat[path][rule.index] = value
+            value = np.empty(shape, dtype)
+            for rule, part in parts:
+                value[rule.index] = part
+        del parts
+        flat[path] = value if place is None else place(path, value)
+        del value
     return flat
 
 
@@ -351,30 +326,34 @@ def check_params(flat: dict[str, object], expected: dict, what: str) -> None:
             )
 
 
-def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, *, keep_dtype: bool = False) -> dict:
-    """Map an HF state dict (name -> array) onto the parameter tree of ``cfg``, checking every tensor.
-    Values take ``cfg.dtype``, or keep the checkpoint's with ``keep_dtype`` (for lossless conversion)."""
+def params_from_hf(
+    tensors: Mapping[str, np.ndarray],
+    cfg: ModelConfig,
+    *,
+    keep_dtype: bool = False,
+    place: Callable[[str, np.ndarray], object] | None = None,
+    progress: bool = False,
+) -> dict:
+    """Map an HF state dict (name -> array, or a :class:`~peagle_jax.models.tensors.TensorSource` that reads on
+    demand) onto the parameter tree of ``cfg``, checking every tensor. Values take ``cfg.dtype``, or keep the
+    checkpoint's with ``keep_dtype`` (for lossless conversion; MXFP4 experts then take bfloat16, the dtype
+    transformers dequantizes into). ``place`` and ``progress``: :func:`flat_from_tensors`."""
+    source = TensorSource.of(tensors)
     if cfg.tie_word_embeddings:  # some tied checkpoints store a copy of the embedding; the embedding is used
-        tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+        source = source.without(["lm_head.weight"])
     if cfg.family == "qwen3_moe":
-        tensors = fuse_expert_tensors(tensors, cfg.moe.num_experts)
-    tensors = unpack_mxfp4(tensors, "bfloat16" if keep_dtype else cfg.dtype)
+        source = fused_experts(source, cfg.moe.num_experts)
+    source = dequantized(source, "bfloat16" if keep_dtype else cfg.dtype)
     flat = flat_from_tensors(
-        tensors, _rules(cfg), expected_shapes(cfg), what=f"{cfg.family} model", keep_dtype=keep_dtype
+        source,
+        _rules(cfg),
+        expected_shapes(cfg),
+        what=f"{cfg.family} model",
+        keep_dtype=keep_dtype,
+        place=place,
+        progress=progress,
     )
     return unflatten(flat)
-
-
-def unpack_mxfp4(tensors: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
-    """GPT-OSS checkpoints on the hub store the expert weights as MXFP4 pairs (``NAME_blocks``, ``NAME_scales``):
-    each pair becomes ``NAME`` in ``dtype``, one pair at a time (:func:`peagle_jax.models.mxfp4.dequantize_tensors`),
-    so that peak host memory is the quantized tensors plus the dequantized ones, never an fp32 copy of all.
-    A conversion keeps them in bfloat16, the dtype transformers dequantizes into. Other tensors pass through."""
-    from peagle_jax.models import mxfp4
-
-    if not any(mxfp4.is_mxfp4_name(name) for name in tensors):
-        return tensors
-    return mxfp4.dequantize_tensors(dict(tensors), dtype)
 
 
 def params_to_hf(params: dict, cfg: ModelConfig, *, dtypes: dict | None = None) -> dict[str, np.ndarray]:
@@ -389,112 +368,9 @@ def params_to_hf(params: dict, cfg: ModelConfig, *, dtypes: dict | None = None) 
     return tensors
 
 
-def read_safetensors(model_dir: str | Path) -> dict[str, np.ndarray]:
-    """All tensors of a directory's ``*.safetensors`` (single file or sharded via the index)."""
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            shard_names = set(weight_map.values())
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
-            raise WeightsError(f"{index}: not a safetensors index with a 'weight_map' ({err!r})") from None
-        files = sorted({model_dir / f for f in shard_names})
-        for f in files:
-            if not f.is_file():
-                raise WeightsError(f"{index} names shard {f.name}, which is missing")
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        if list(model_dir.glob("*.bin")) or list(model_dir.glob("*.pt")):
-            raise WeightsError(
-                f"{model_dir} holds only pickled PyTorch weights (*.bin); they are refused because unpickling "
-                "can run code. Convert them to safetensors first (transformers: from_pretrained, then "
-                "save_pretrained, which writes safetensors)"
-            )
-        raise WeightsError(f"{model_dir}: no *.safetensors weights found")
-    tensors: dict[str, np.ndarray] = {}
-    for f in files:
-        try:
-            with safe_open(f, framework="numpy") as st:
-                for name in st.keys():
-                    if name in tensors:
-                        raise WeightsError(f"tensor {name!r} appears in more than one shard")
-                    tensors[name] = st.get_tensor(name)
-        except SafetensorError as err:
-            raise WeightsError(f"{f}: not a readable safetensors file ({err})") from None
-    return tensors
-
-
-_SIZE_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-}
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes in ``'2GB'`` (decimal units, as transformers reads them), ``'500MiB'`` or ``12345``."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m.group(2).upper() if m else None
-    if unit not in _SIZE_UNITS:
-        raise UserError(f"not a size: {text!r} (examples: 2GB, 500MB, 512MiB)")
-    size = int(float(m.group(1)) * _SIZE_UNITS[unit])
-    if size <= 0:
-        raise UserError(f"size must be positive, got {text!r}")
-    return size
-
-
-def _file_mode() -> int:
-    """The mode a new file gets under the process's umask (``open`` creates 0o666 & ~umask)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-def write_safetensors(
-    model_dir: str | Path, tensors: dict[str, np.ndarray], *, max_shard_size: int | None = None, progress=False
-) -> list[Path]:
-    """Write ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards of at most
-    ``max_shard_size`` bytes each (a larger tensor gets a shard of its own) plus
-    ``model.safetensors.index.json``, as transformers does. Returns the files written."""
-    from tqdm import tqdm
-
-    model_dir = Path(model_dir)
-    total = sum(int(t.nbytes) for t in tensors.values())
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name in sorted(tensors):
-        nbytes = int(tensors[name].nbytes)
-        if max_shard_size is not None and shards[-1] and size + nbytes > max_shard_size:
-            shards.append({})
-            size = 0
-        shards[-1][name] = np.ascontiguousarray(tensors[name])
-        size += nbytes
-    n = len(shards)
-    files = [
-        model_dir / ("model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors") for i in range(n)
-    ]
-    for shard, f in tqdm(
-        list(zip(shards, files, strict=True)), desc="writing", unit="file", disable=None if progress else True
-    ):
-        save_file(shard, str(f), metadata={"format": "pt"})
-        f.chmod(_file_mode())  # safetensors creates its files readable by the owner only
-    if n > 1:
-        weight_map = {name: f.name for shard, f in zip(shards, files, strict=True) for name in shard}
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (model_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return files
-
-
-def load_target(model_dir: str | Path, *, dtype: str = "float32", aux_layer_ids=None):
-    """(cfg, params) of a Hugging Face model directory, params placed on the default device."""
+def load_target(model_dir: str | Path, *, dtype: str = "float32", aux_layer_ids=None, progress: bool = False):
+    """(cfg, params) of a Hugging Face model directory, params placed on the default device one tensor at a
+    time as they are read (peak host memory: the parameters in ``dtype`` plus one tensor's parts)."""
     cfg = load_hf_config(model_dir, dtype=dtype, aux_layer_ids=aux_layer_ids)
-    params = params_from_hf(read_safetensors(model_dir), cfg)
-    return cfg, jax.device_put(params)
+    params = params_from_hf(open_safetensors(model_dir), cfg, place=lambda _, x: jax.device_put(x), progress=progress)
+    return cfg, params
