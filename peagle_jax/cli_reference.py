@@ -30,7 +30,19 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("python -m peagle_jax.bench", "peagle_jax.bench.mtbench", "build_parser"),
     *(
         (f"python -m peagle_jax.bench.{name}", f"peagle_jax.bench.{name}", "build_parser")
-        for name in ("attention", "decode", "draft", "linear", "sampling", "serve", "spec", "steps", "train", "trees")
+        for name in (
+            "attention",
+            "decode",
+            "draft",
+            "linear",
+            "load",
+            "sampling",
+            "serve",
+            "spec",
+            "steps",
+            "train",
+            "trees",
+        )
     ),
 ]
 

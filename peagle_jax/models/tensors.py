@@ -26,7 +26,6 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from peagle_jax.errors import UserError
@@ -143,13 +142,32 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def _reader(path: Path, name: str) -> Callable[[], np.ndarray]:
+def _header(path: Path) -> tuple[int, dict]:
+    """(offset of the data, header) of a safetensors file: an 8-byte little-endian header length, then the
+    JSON header ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size <= path.stat().st_size - 8:
+                raise ValueError(f"header length {size}")
+            header = json.loads(f.read(size))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+    except (OSError, ValueError, UnicodeDecodeError) as err:
+        raise WeightsError(f"{path}: not a readable safetensors file ({err})") from None
+    header.pop("__metadata__", None)
+    return 8 + size, header
+
+
+def _reader(path: Path, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> Callable[[], np.ndarray]:
+    """Reads one tensor straight into a new array (one copy, freed as soon as it is dropped)."""
+    count = int(np.prod(shape, dtype=np.int64))
+
     def read() -> np.ndarray:
-        try:
-            with safe_open(path, framework="numpy") as st:
-                return st.get_tensor(name)
-        except SafetensorError as err:
-            raise WeightsError(f"{path}: tensor {name!r} is not readable ({err})") from None
+        array = np.fromfile(path, dtype=dtype, count=count, offset=offset)
+        if array.size != count:
+            raise WeightsError(f"{path}: the file ends inside a tensor (truncated?)")
+        return array.reshape(shape)
 
     return read
 
@@ -158,18 +176,21 @@ def open_safetensors(model_dir: str | Path) -> TensorSource:
     """Every tensor of a directory's safetensors files, read on demand (only the headers are read here)."""
     entries: dict[str, _Entry] = {}
     for f in safetensors_files(model_dir):
-        try:
-            with safe_open(f, framework="numpy") as st:
-                for name in st.keys():
-                    if name in entries:
-                        raise WeightsError(f"tensor {name!r} appears in more than one shard")
-                    info = st.get_slice(name)
-                    dtype = _DTYPES.get(info.get_dtype())
-                    if dtype is None:
-                        raise WeightsError(f"{f}: tensor {name!r} has dtype {info.get_dtype()}, which is not supported")
-                    entries[name] = _Entry(info.get_shape(), dtype, _reader(f, name))
-        except SafetensorError as err:
-            raise WeightsError(f"{f}: not a readable safetensors file ({err})") from None
+        start, header = _header(f)
+        for name, info in header.items():
+            if name in entries:
+                raise WeightsError(f"tensor {name!r} appears in more than one shard")
+            try:
+                code, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise WeightsError(f"{f}: tensor {name!r} has a malformed header entry {info!r}") from None
+            dtype = _DTYPES.get(code)
+            if dtype is None:
+                raise WeightsError(f"{f}: tensor {name!r} has dtype {code}, which is not supported")
+            dtype = np.dtype(dtype)
+            if end - begin != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+                raise WeightsError(f"{f}: tensor {name!r} spans {end - begin} bytes, not {shape} of {dtype}")
+            entries[name] = _Entry(shape, dtype, _reader(f, start + begin, shape, dtype))
     return TensorSource(entries)
 
 

@@ -200,6 +200,17 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], np.dty
     return tree_shapes(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))
 
 
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """``name -> shape`` of every tensor a Hugging Face checkpoint of ``cfg`` holds (fused experts, no MXFP4),
+    from the rule tables, without allocating any of them."""
+    rules, out = _rules(cfg), {}
+    for path, (shape, _) in expected_shapes(cfg).items():
+        for rule, hf in _parts(rules, path):
+            want = shape if rule.index is None else np.empty(shape, np.int8)[rule.index].shape
+            out[hf] = tuple(rule.to_hf(np.empty(want, np.int8)).shape)
+    return out
+
+
 def _flatten(tree, prefix: str = "") -> Iterator[tuple[str, object]]:
     for key, value in tree.items():
         path = f"{prefix}/{key}" if prefix else key
@@ -268,8 +279,7 @@ def flat_from_tensors(
         hf_shape = tuple(rule.to_hf(np.empty(want, np.int8)).shape)
         if source.shape(name) != hf_shape:  # checked before to_jax, whose reshape would fail unnamed
             raise WeightsError(
-                f"tensor {name!r} has shape {source.shape(name)}, which does not fit the config "
-                f"(expected {hf_shape})"
+                f"tensor {name!r} has shape {source.shape(name)}, which does not fit the config (expected {hf_shape})"
             )
         by_path.setdefault(path, []).append((rule, name))
     seen = {name for items in by_path.values() for _, name in items}
@@ -284,7 +294,7 @@ def flat_from_tensors(
             dtypes = {part.dtype for _, part in parts}
             dtype = dtypes.pop() if len(dtypes) == 1 else np.dtype(np.float32)
         if parts[0][0].index is None:
-            value = parts[0][1].astype(dtype, copy=not keep_dtype)
+            value = parts[0][1].astype(dtype, copy=False)  # a fresh read: nothing else holds it
         else:
             value = np.empty(shape, dtype)
             for rule, part in parts:
