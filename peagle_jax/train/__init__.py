@@ -7,6 +7,8 @@ Pipeline and configuration:
 - :mod:`~peagle_jax.train.pipeline`: the stages, each resumable: prompts -> regeneration -> vocabulary ->
   packing -> features -> training -> export.
 - :mod:`~peagle_jax.train.recipe`: the run recipe, YAML sections with ``key=value`` overrides.
+- :mod:`~peagle_jax.train.target`: the recipe's random target (Llama, GPT-OSS, Qwen3-MoE) and the drafter
+  layers a target gets.
 - :mod:`~peagle_jax.train.config`: ``TrainConfig``, the training step's settings (the recipe's ``optim``).
 
 Data:

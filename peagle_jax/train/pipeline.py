@@ -13,7 +13,6 @@ skips finished regeneration shards and feature chunks and continues training fro
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -44,6 +43,7 @@ from peagle_jax.train.pack import conversation, pack, packing_stats
 from peagle_jax.train.prompts import DataError, load_prompts
 from peagle_jax.train.recipe import Recipe, recipe_dict
 from peagle_jax.train.regen import chat_prompt_ids, read_shards, regenerate
+from peagle_jax.train.target import drafter_layer, random_target, save_random_target
 from peagle_jax.train.vocab import coverage, draft_vocab, token_counts, unused_token_id
 
 
@@ -64,37 +64,10 @@ def load_target(recipe: Recipe):
     if not tokenizer.chat_template:
         raise DataError(f"the tokenizer of {tok_dir} has no chat template; training prompts need one")
     if t.model == "random":
-        eos = tuple(i for i in [tokenizer.eos_token_id] if i is not None)
-        cfg = ModelConfig(
-            family="llama",
-            vocab_size=len(tokenizer),
-            hidden_size=t.hidden_size,
-            intermediate_size=t.intermediate_size,
-            num_layers=t.num_layers,
-            num_heads=t.num_heads,
-            num_kv_heads=t.num_kv_heads,
-            head_dim=t.hidden_size // t.num_heads,
-            tie_word_embeddings=True,
-            eos_token_ids=eos,
-            max_position_embeddings=t.max_seq_len,
-        )
-        from peagle_jax.models.model import init_params
-
-        return cfg, init_params(cfg, jax.random.key(t.seed)), tokenizer, "random"
+        cfg, params = random_target(t, tokenizer)
+        return cfg, params, tokenizer, "random"
     cfg, params = load_target_any(resolve(t.model))
     return cfg, params, tokenizer, resolve(t.model)
-
-
-def save_random_target(cfg: ModelConfig, params, tokenizer, path: Path) -> None:
-    """Write the random target as a Hugging Face directory (with the tokenizer), so that the exported
-    drafter can be run against it: ``generate --model DIR/target --drafter DIR/drafter``."""
-    from peagle_jax.models.config import to_hf_config
-    from peagle_jax.models.weights import params_to_hf, write_safetensors
-
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=1))
-    write_safetensors(path, params_to_hf(params, cfg))
-    tokenizer.save_pretrained(str(path))
 
 
 def target_head(params) -> jnp.ndarray:
@@ -103,12 +76,12 @@ def target_head(params) -> jnp.ndarray:
 
 
 def build_drafter(recipe: Recipe, tcfg, cfg: ModelConfig, params, used, d2t, t2d, mask_id, source: str):
-    """Drafter config and initial params: the target's width and attention shape, its LM head rows of the
+    """Drafter config and initial params: the target's width and attention shape (plain Llama layers for a
+    mixture-of-experts target, :func:`peagle_jax.train.target.drafter_layer`), its LM head rows of the
     draft vocabulary, the vocab maps."""
     d = recipe.drafter
-    layer = dataclasses.replace(cfg, num_layers=d.num_layers, aux_layer_ids=(), eos_token_ids=cfg.eos_token_ids)
     dcfg = DrafterConfig(
-        layer=layer,
+        layer=drafter_layer(cfg, d.num_layers),
         algorithm=tcfg.objective,
         draft_vocab_size=len(used),
         target_hidden_size=cfg.hidden_size,

@@ -53,21 +53,81 @@ class DataConfig:
         )
 
 
+LAYER_TYPES = {"sliding": "sliding_attention", "full": "full_attention"}
+
+
+def parse_layer_types(spec: str, num_layers: int) -> list[str] | None:
+    """``target.layer_types`` (``"sliding,full,..."``, one per layer) as transformers' names; ``""`` = None
+    (the family's default: GPT-OSS's even layers slide)."""
+    if not spec:
+        return None
+    names = [s.strip() for s in spec.split(",")]
+    if len(names) != num_layers or any(n not in LAYER_TYPES for n in names):
+        raise ConfigError(f"target.layer_types {spec!r} must give sliding or full for each of the {num_layers} layers")
+    return [LAYER_TYPES[n] for n in names]
+
+
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
     """``model``: ``smollm2`` (embedded default), a Hugging Face or converted directory, or ``random``: a
-    random Llama of the given shape (smoke tests), with the tokenizer of ``tokenizer`` (``smollm2`` or a
-    directory; default: the model's own)."""
+    random model of the given shape (smoke tests), with the tokenizer of ``tokenizer`` (``smollm2`` or a
+    directory; default: the model's own).
+
+    A ``random`` target's ``family`` is ``llama`` (tied embeddings), ``gpt_oss`` or ``qwen3_moe`` (see
+    :mod:`peagle_jax.train.target`). The mixture-of-experts families have ``num_experts`` experts, of which
+    ``experts_per_token`` serve each token; a GPT-OSS expert is ``intermediate_size`` wide, a Qwen3-MoE
+    expert ``moe_intermediate_size`` (0 = ``intermediate_size``; every Qwen3-MoE layer is sparse, top-k
+    renormalised). GPT-OSS attends over ``sliding_window`` positions in its sliding layers;
+    ``layer_types`` is ``sliding`` or ``full`` per layer, comma-separated (empty: even layers slide, as in
+    GPT-OSS); its sinks and biases are random, its RoPE GPT-OSS's YaRN with an original context of
+    ``max_seq_len`` / 32. The drafter reads the taps of vLLM's convention (the residual entering layers 2,
+    L/2 and L-3, clamped into a tiny target).
+    """
 
     model: str = "smollm2"
     tokenizer: str = ""
+    family: str = "llama"
     max_seq_len: int = 1024
     hidden_size: int = 64
     intermediate_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int = 2
+    num_experts: int = 4
+    experts_per_token: int = 2
+    moe_intermediate_size: int = 0
+    sliding_window: int = 0
+    layer_types: str = ""
     seed: int = 0
+
+    def __post_init__(self):
+        moe = self.family in ("gpt_oss", "qwen3_moe")
+        _check(
+            "target",
+            [
+                ("family", self.family in ("llama", "gpt_oss", "qwen3_moe"), "must be llama, gpt_oss or qwen3_moe"),
+                ("num_experts", not moe or self.num_experts >= 1, "must be >= 1"),
+                (
+                    "experts_per_token",
+                    not moe or 1 <= self.experts_per_token <= self.num_experts,
+                    "must be within 1..num_experts",
+                ),
+                ("moe_intermediate_size", self.moe_intermediate_size >= 0, "must be >= 0"),
+                ("sliding_window", self.family != "gpt_oss" or self.sliding_window >= 1, "must be >= 1 for gpt_oss"),
+                ("max_seq_len", self.family != "gpt_oss" or self.max_seq_len >= 32, "must be >= 32 for gpt_oss (YaRN)"),
+                (
+                    "layer_types",
+                    self.family == "gpt_oss" or not self.layer_types,
+                    "is for family gpt_oss (Qwen3-MoE and Llama attend fully)",
+                ),
+                (
+                    "sliding_window",
+                    self.family == "gpt_oss" or not self.sliding_window,
+                    "is for family gpt_oss (Qwen3-MoE and Llama attend fully)",
+                ),
+            ],
+        )
+        parse_layer_types(self.layer_types, self.num_layers)
 
 
 @dataclasses.dataclass(frozen=True)
