@@ -75,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="tensor-parallel degree: shard the target over this many devices of --platform (must divide its kv "
         "heads; default 1)",
     )
+    p.add_argument(
+        "--expert-split",
+        choices=["auto", "width", "experts"],
+        default="auto",
+        help="with --tp, how a mixture-of-experts target's experts are split: width = F/TP hidden units of every "
+        "expert on each device, experts = E/TP whole experts on each device; auto (default): experts for the "
+        "dense MoE dispatch, width for one that gathers (see peagle_jax.sharding)",
+    )
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument(
         "--drafter",
@@ -162,6 +170,7 @@ def run(args) -> dict:
         sequential=args.sequential,
         fused=args.fused,
         adaptive=args.k_policy != "fixed",
+        expert_split=args.expert_split,
     )
     gen = build_generator(opts, model_dir, mesh)
     cfg = gen.cfg

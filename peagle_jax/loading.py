@@ -19,7 +19,8 @@ class GeneratorOptions:
     :func:`peagle_jax.drafter.shipped.resolve_drafter`), or None for plain decoding; ``tree`` a static tree
     spec (:func:`peagle_jax.spec.tree.parse_tree`), or None for a chain of ``k`` (or of the drafter config's
     K); ``adaptive``: each step's length is chosen by measured throughput
-    (:meth:`peagle_jax.spec.generator.SpeculativeGenerator.stream`)."""
+    (:meth:`peagle_jax.spec.generator.SpeculativeGenerator.stream`); ``expert_split``: how a mesh splits a
+    mixture-of-experts target's experts (:func:`peagle_jax.sharding.expert_split`)."""
 
     dtype: str = "float32"
     max_seq_len: int = 2048
@@ -29,6 +30,7 @@ class GeneratorOptions:
     sequential: bool = False
     fused: bool = False
     adaptive: bool = False
+    expert_split: str = "auto"
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -85,6 +87,16 @@ def configs(model: str, drafter: str | None, dtype: str):
     return cfg, random_drafter_config(cfg), note
 
 
+def _placed(cfg, params, mesh, opts: GeneratorOptions):
+    """The target's parameters on ``mesh`` with the experts split as ``opts.expert_split`` says (a generator
+    keeps a placement it is given), or as they are without a mesh."""
+    if mesh is None:
+        return params
+    from peagle_jax.sharding import shard_target
+
+    return shard_target(cfg, params, mesh, opts.expert_split)
+
+
 def speculative_generator(opts: GeneratorOptions, model_dir: Path, mesh=None):
     """Target + drafter (``opts.drafter``), with the drafter's aux taps applied to the target."""
     from peagle_jax.checkpoint import load_target_any
@@ -94,6 +106,7 @@ def speculative_generator(opts: GeneratorOptions, model_dir: Path, mesh=None):
 
     dcfg, dparams = load_drafter(opts.drafter, dtype=opts.dtype)
     cfg, params = load_target_any(model_dir, dtype=opts.dtype, aux_layer_ids=dcfg.aux_layer_ids)
+    params = _placed(cfg, params, mesh, opts)
     return SpeculativeGenerator(
         cfg,
         params,
@@ -118,4 +131,5 @@ def build_generator(opts: GeneratorOptions, model_dir: Path, mesh=None):
     from peagle_jax.engine.generator import Generator
 
     cfg, params = load_target_any(model_dir, dtype=opts.dtype)
+    params = _placed(cfg, params, mesh, opts)
     return Generator(cfg, params, max_seq_len=opts.max_seq_len, mesh=mesh)

@@ -5,15 +5,39 @@ What is split over the ``tp`` devices (Megatron-style, so each layer needs one a
 and one after the MLP, which XLA inserts):
 
 - attention by kv head: ``qkv_proj.weight [G, J+2, H, D]`` (and its bias) on G, so each device holds whole
-  groups (a kv head with its J query heads); ``o_proj.weight [D, N, H]`` on N (query heads are ordered by
-  group, so its N-shards are the same groups); the KV cache ``[B, G, S, H]`` on G;
+  groups (a kv head with its J query heads); ``o_proj.weight [D, N, H]`` and GPT-OSS's ``sinks [N]`` on N
+  (query heads are ordered by group, so their N-shards are the same groups); the KV cache ``[B, G, S, H]``
+  on G;
 - the MLP by hidden unit: ``gate_up_proj.weight [2, F, D]`` (and bias) on F, ``down_proj.weight [D, F]`` on
   its input F;
-- everything else (embedding, LM head, norms, q/k norms, output biases) replicated.
+- the experts of a mixture-of-experts layer (:mod:`peagle_jax.models.moe`) in one of two splits, chosen per
+  model (``experts=``, ``--expert-split``):
 
-TP must divide the kv heads G (and F): a kv head is never split. SmolLM2-135M has G = 3 kv heads, so it
-runs at TP 1 or 3; :func:`check_tp` refuses the rest with the reason. The drafter is replicated by default
-(it is small and its output feeds the host), or sharded by the same rules (``shard_drafter``).
+  - ``experts`` (expert parallelism): ``experts.gate_up_proj [E, 2, F, D]``, ``down_proj [E, D, F]`` and
+    their biases ``[E, 2, F]``, ``[E, D]`` on E, so each device holds E/TP whole experts;
+  - ``width`` (tensor parallelism within each expert): ``gate_up_proj`` on F (axis 2), ``down_proj`` on its
+    input F (axis 2), ``gate_up_proj_bias`` on F, ``down_proj_bias`` replicated, so each device holds F/TP
+    hidden units of every expert, as the dense MLP;
+  - ``auto`` (the default): ``experts`` for the dense dispatch, ``width`` for a dispatch that gathers
+    (``gather``, or ``auto``, whose decode steps gather), the other split where TP does not divide the
+    first's count. Both splits are exact and hold 1/TP of the expert weights per device; they differ in
+    what XLA all-reduces. The dense dispatch under ``experts`` runs each device's experts on every token
+    and sums token outputs over the devices, where under ``width`` every expert's output is a partial sum
+    over F. The gathered dispatch under ``width`` gathers the k experts' F-shards locally, where under
+    ``experts`` XLA partitions the gather over E by masking and all-reduces the *gathered weights*
+    (``[B, T, k, 2, F, D]`` per layer, the size of the active experts). ``tests/moe_tp_check.py`` compiles
+    both splits for both dispatches and checks that ``auto``'s largest all-reduce is the smaller.
+    Expert weights already placed on the mesh keep their split, so a caller that placed them with an
+    explicit split (:func:`shard_target`, ``--expert-split``) keeps it through a generator, which places
+    its parameters with ``auto``;
+
+- everything else (embedding, LM head, norms, q/k norms, output biases, the MoE routers) replicated.
+
+TP must divide the kv heads G, the dense MLP width F (when a layer is dense), and the experts E (``experts``)
+or the expert width (``width``): a kv head is never split. SmolLM2-135M has G = 3 kv heads, so it runs at
+TP 1 or 3; :func:`check_tp` refuses the rest, naming the count that TP does not divide. The drafter is
+replicated by default (it is small and its output feeds the host), or sharded by the same rules
+(``shard_drafter``).
 """
 
 from __future__ import annotations
@@ -24,6 +48,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from peagle_jax.errors import UserError
 from peagle_jax.models.cache import KVCache
+from peagle_jax.models.config import ModelConfig, MoEConfig
 
 AXIS = "tp"
 # Parameter name (the last two path components) -> which axis is split over ``tp``.
@@ -31,20 +56,93 @@ SPLIT_AXIS = {
     ("qkv_proj", "weight"): 0,
     ("qkv_proj", "bias"): 0,
     ("o_proj", "weight"): 1,
+    ("self_attn", "sinks"): 0,
     ("gate_up_proj", "weight"): 1,
     ("gate_up_proj", "bias"): 1,
     ("down_proj", "weight"): 1,
 }
+EXPERT_SPLITS = ("auto", "experts", "width")
+# Expert split -> expert parameter name (under ``experts``) -> the axis split over ``tp`` (absent: replicated).
+EXPERT_SPLIT_AXIS = {
+    "experts": {"gate_up_proj": 0, "gate_up_proj_bias": 0, "down_proj": 0, "down_proj_bias": 0},
+    "width": {"gate_up_proj": 2, "gate_up_proj_bias": 2, "down_proj": 2},
+}
 
 
-def check_tp(tp: int, *, num_kv_heads: int, intermediate_size: int, what: str = "the target") -> None:
+def expert_split(
+    tp: int, *, num_experts: int, expert_width: int, dispatch: str = "dense", experts: str = "auto", what="the target"
+) -> str:
+    """The split (``"experts"`` or ``"width"``) of ``num_experts`` experts of ``expert_width`` hidden units
+    over ``tp`` devices that ``experts`` asks for, or a :class:`UserError` naming the count TP does not
+    divide. ``"auto"``: whole experts for the dense ``dispatch``, the width for one that gathers (``gather``
+    or ``auto``), the other where TP does not divide the first."""
+    if experts not in EXPERT_SPLITS:
+        raise UserError(f"--expert-split {experts!r}: choose {', '.join(EXPERT_SPLITS)}")
+    if experts == "auto":
+        if expert_width % tp and num_experts % tp:
+            raise UserError(
+                f"--tp {tp} must divide {what}'s expert width {expert_width} (--expert-split width) or its "
+                f"{num_experts} experts (--expert-split experts)"
+            )
+        first, second = ("experts", "width") if dispatch == "dense" else ("width", "experts")
+        return first if (num_experts if first == "experts" else expert_width) % tp == 0 else second
+    if experts == "experts" and num_experts % tp:
+        raise UserError(
+            f"--tp {tp} must divide {what}'s {num_experts} experts (--expert-split experts gives each device "
+            "whole experts)"
+        )
+    if experts == "width" and expert_width % tp:
+        raise UserError(
+            f"--tp {tp} must divide {what}'s expert width {expert_width} (--expert-split width splits every "
+            "expert's hidden units)"
+        )
+    return experts
+
+
+def check_tp(
+    tp: int,
+    *,
+    num_kv_heads: int,
+    intermediate_size: int | None,
+    moe: MoEConfig | None = None,
+    experts: str = "auto",
+    what: str = "the target",
+) -> None:
+    """Refuse a TP that splits a kv head, or does not divide the dense MLP width (``intermediate_size``;
+    None: no layer is dense) or the experts in the split ``experts`` asks for (``moe``; None: no experts)."""
     if tp < 1:
         raise UserError(f"--tp must be >= 1, got {tp}")
-    if num_kv_heads % tp or intermediate_size % tp:
+    if num_kv_heads % tp:
         raise UserError(
-            f"--tp {tp} must divide {what}'s {num_kv_heads} kv heads and its MLP width {intermediate_size} "
-            "(tensor parallelism gives each device whole kv heads)"
+            f"--tp {tp} must divide {what}'s {num_kv_heads} kv heads (tensor parallelism gives each device whole "
+            "kv heads)"
         )
+    if intermediate_size is not None and intermediate_size % tp:
+        raise UserError(
+            f"--tp {tp} must divide {what}'s MLP width {intermediate_size} (each device holds 1/TP of its hidden units)"
+        )
+    if moe is not None:
+        expert_split(
+            tp,
+            num_experts=moe.num_experts,
+            expert_width=moe.intermediate_size,
+            dispatch=moe.dispatch,
+            experts=experts,
+            what=what,
+        )
+
+
+def check_target_tp(tp: int, cfg: ModelConfig, experts: str = "auto") -> None:
+    """:func:`check_tp` for a target config: its kv heads, its dense MLP width where a layer is dense, and
+    its experts."""
+    dense = cfg.moe is None or len(cfg.moe.sparse_layers) < cfg.num_layers
+    check_tp(
+        tp,
+        num_kv_heads=cfg.num_kv_heads,
+        intermediate_size=cfg.intermediate_size if dense else None,
+        moe=cfg.moe,
+        experts=experts,
+    )
 
 
 def make_mesh(tp: int, devices=None) -> Mesh:
@@ -55,9 +153,20 @@ def make_mesh(tp: int, devices=None) -> Mesh:
     return Mesh(np.asarray(devices[:tp]), (AXIS,))
 
 
-def param_spec(path, x) -> PartitionSpec:
-    names = tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
-    axis = SPLIT_AXIS.get(names[-2:])
+def _names(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
+def param_spec(path, x, experts: str | None = None) -> PartitionSpec:
+    """The partition spec of one parameter; ``experts`` (``"experts"`` or ``"width"``) places the MoE expert
+    tensors and is required for them."""
+    names = _names(path)
+    if len(names) >= 2 and names[-2] == "experts":
+        if experts not in EXPERT_SPLIT_AXIS:
+            raise ValueError(f"{'.'.join(names)}: an expert tensor needs experts='experts' or 'width'")
+        axis = EXPERT_SPLIT_AXIS[experts].get(names[-1])
+    else:
+        axis = SPLIT_AXIS.get(names[-2:])
     if axis is None:
         return PartitionSpec()
     spec = [None] * x.ndim
@@ -65,13 +174,55 @@ def param_spec(path, x) -> PartitionSpec:
     return PartitionSpec(*spec)
 
 
-def param_shardings(params, mesh: Mesh):
-    return jax.tree_util.tree_map_with_path(lambda path, x: NamedSharding(mesh, param_spec(path, x)), params)
+def _expert_shapes(params):
+    """(E, F) of the first ``experts.gate_up_proj [E, 2, F, D]`` in a parameter tree, or None."""
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        if _names(path)[-2:] == ("experts", "gate_up_proj"):
+            return x.shape[0], x.shape[2]
+    return None
 
 
-def shard_params(params, mesh: Mesh):
-    """Place a parameter tree (target or drafter) on the mesh by :data:`SPLIT_AXIS`."""
-    return jax.device_put(params, param_shardings(params, mesh))
+def placed_split(params, mesh) -> str | None:
+    """The expert split that the tree's expert weights already have on ``mesh``, or None (not placed there,
+    or no experts)."""
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        sharding = getattr(x, "sharding", None)
+        if _names(path)[-2:] != ("experts", "gate_up_proj") or not isinstance(sharding, NamedSharding):
+            continue
+        if sharding.mesh != mesh:
+            return None
+        for split in ("experts", "width"):
+            if sharding.is_equivalent_to(NamedSharding(mesh, param_spec(path, x, split)), x.ndim):
+                return split
+        return None
+    return None
+
+
+def param_shardings(params, mesh, experts: str = "auto", dispatch: str = "dense"):
+    """The ``NamedSharding`` of every parameter (concrete or abstract) on ``mesh`` (a ``Mesh`` or an
+    ``AbstractMesh``), the experts split as ``experts`` says for the MoE ``dispatch`` (:func:`expert_split`)."""
+    shapes = _expert_shapes(params)
+    split = None
+    if shapes is not None:
+        E, F = shapes
+        split = expert_split(mesh.shape[AXIS], num_experts=E, expert_width=F, dispatch=dispatch, experts=experts)
+    return jax.tree_util.tree_map_with_path(lambda path, x: NamedSharding(mesh, param_spec(path, x, split)), params)
+
+
+def shard_params(params, mesh: Mesh, experts: str = "auto", dispatch: str = "dense"):
+    """Place a parameter tree (target or drafter) on the mesh by :data:`SPLIT_AXIS` and, for MoE experts,
+    :data:`EXPERT_SPLIT_AXIS`; with ``experts="auto"``, expert weights already placed on this mesh keep
+    their split (:func:`placed_split`)."""
+    if experts == "auto":
+        experts = placed_split(params, mesh) or "auto"
+    return jax.device_put(params, param_shardings(params, mesh, experts, dispatch))
+
+
+def shard_target(cfg: ModelConfig, params, mesh: Mesh, experts: str = "auto"):
+    """Check TP against the target (:func:`check_target_tp`) and place its parameters on the mesh, the
+    experts split for its dispatch."""
+    check_target_tp(mesh.size, cfg, experts)
+    return shard_params(params, mesh, experts, cfg.moe.dispatch if cfg.moe else "dense")
 
 
 def replicate(tree, mesh: Mesh):

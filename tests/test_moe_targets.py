@@ -368,7 +368,8 @@ def test_convert_round_trip_is_bit_for_bit(tmp_path, save_hf, family, dtype):
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
 def test_moe_graphs_are_lint_clean_for_neuron(family):
     """The target forward and a tree verify, exported for Neuron: fixed shapes, no sort over the vocabulary,
-    no data-dependent loops (the dense dispatch routes by arithmetic only). The verify is the greedy graph:
+    no data-dependent loops (the dense dispatch selects outputs with a fixed-shape take_along_axis).
+    The verify is the greedy graph:
     the sampling one branches on CPU (peagle_jax.platform.branching_allowed), not on Neuron."""
     from jax import export
 

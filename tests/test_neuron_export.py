@@ -1,5 +1,6 @@
 """Every graph the generators use exports for neuron and tpu and passes the Neuron lint: a tiny random
-model with every graph family, and the full-size SmolLM2 shapes (abstract, no weights)."""
+model with every graph family, and full-size shapes (abstract, no weights): SmolLM2, and the GPT-OSS and
+Qwen3-Coder configs of neuron/configs/ with drafters of the released P-EAGLE drafters' shape."""
 
 from __future__ import annotations
 
@@ -243,3 +244,94 @@ def test_tensor_parallel_graphs_export_clean_on_one_cpu(tmp_path):
     assert len(list((tmp_path / "neuron").glob("*.hlo.pb"))) == len(graphs)
     with pytest.raises(UserError, match="must divide"):
         all_graphs(cfg, random_drafter_config(cfg), buckets, tp=3)
+
+
+CONFIGS = Path(__file__).resolve().parent.parent / "neuron" / "configs"
+EVERY_KIND = {
+    "prefill", "sample", "decode", "drafter_prefill", "parallel_draft", "sequential_draft", "verify",
+    "fused_parallel", "fused_sequential", "fused_mask_hidden", "write_context", "plain", "flush_context",
+}  # fmt: skip
+# Full-size models, small buckets: the shapes that trip the lint are the model's (vocabulary, width, experts).
+SMALL = dict(batch_buckets=(1,), prefill_buckets=(16,), max_seq_len=32)
+
+
+def released(name):
+    from peagle_jax.neuron.targets import configs
+
+    return configs(str(CONFIGS / f"{name}.json"), None, "bfloat16")
+
+
+@pytest.mark.parametrize(
+    "name, k, aux",
+    [
+        ("gpt-oss-20b", 10, (2, 12, 21)),
+        ("gpt-oss-120b", 8, (2, 18, 33)),
+        ("Qwen3-Coder-30B-A3B-Instruct", 18, (2, 24, 45)),
+    ],
+)
+def test_the_shipped_configs_get_a_drafter_of_the_released_shape(name, k, aux):
+    cfg, dcfg, note = released(name)
+    assert f"released {name} drafter's shape" in note
+    assert dcfg.parallel and dcfg.layer.num_layers == 4 and dcfg.speculative_tokens == k
+    assert dcfg.draft_vocab_size == cfg.vocab_size and dcfg.has_vocab_map  # the identity d2t / t2d
+    assert dcfg.hidden_size == dcfg.target_hidden_size == cfg.hidden_size and dcfg.layer.moe is None
+    assert dcfg.aux_layer_ids == cfg.aux_layer_ids == aux  # vLLM's taps: 2, L // 2, L - 3
+    plain = random_drafter_config(cfg.replace(family="llama", moe=None, layer_types=(), sliding_window=None))
+    assert plain.layer.num_layers == 2  # a target without a released drafter keeps the 2-layer stand-in
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("platform", ["neuron", "tpu"])
+def test_gpt_oss_20b_every_graph_family_exports_clean_at_full_shapes(platform):
+    """GPT-OSS-20B's config.json (24 layers, 32 experts, vocabulary 201088) with a drafter of the released
+    shape (4 layers, K = 10): every graph family, no weights (about a minute per platform)."""
+    cfg, dcfg, _ = released("gpt-oss-20b")
+    buckets = ServingBuckets(**SMALL, k_values=(10,), sequential=True, fused=True, sampling=True)
+    graphs = all_graphs(cfg, dcfg, buckets)
+    assert kinds(graphs) == EVERY_KIND
+    assert "verify_b1_s64_chain10_w64_sampling" in [g.name for g in graphs]
+    findings = export_all(graphs, None, (platform,), write=False)
+    assert {n: f for n, per in findings.items() for f in per.values() if f} == {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, k", [("gpt-oss-120b", 8), ("Qwen3-Coder-30B-A3B-Instruct", 18)])
+def test_a_decode_and_a_verify_graph_export_clean_at_full_shapes(name, k):
+    cfg, dcfg, _ = released(name)
+    buckets = ServingBuckets(**SMALL, k_values=(k,), sampling=False, adaptive=False)
+    graphs = all_graphs(cfg, dcfg, buckets)
+    picked = [next(g for g in graphs if g.name.startswith(kind)) for kind in ("decode_", "verify_b1_s")]
+    assert f"_chain{k}_" in picked[1].name
+    findings = export_all(picked, None, ("neuron", "tpu"), write=False)
+    assert {n: f for n, per in findings.items() for f in per.values() if f} == {}
+
+
+def test_cli_exports_from_a_config_json_with_k_and_an_expert_split(tmp_path, capsys):
+    """``--model`` takes a bare config.json (a tiny GPT-OSS here), ``--k`` the draft lengths; with ``--tp``
+    the experts are split as ``--expert-split`` says."""
+    from peagle_jax.neuron.__main__ import main
+
+    hf = dict(
+        model_type="gpt_oss", vocab_size=64, hidden_size=16, intermediate_size=8, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=4, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=4,
+    )  # fmt: skip
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(hf))
+    yaml = tmp_path / "b.yaml"
+    yaml.write_text("batch_buckets: [1]\nprefill_buckets: [8]\nmax_seq_len: 16\nsampling: false\nadaptive: false\n")
+    argv = ["export", "--model", str(config), "--buckets", str(yaml), "--platforms", "neuron", "--no-write"]
+    assert main([*argv, "--k", "2,3", "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "gpt_oss, 2 layers" in out and "2-layer P-EAGLE drafter" in out and "lint: clean" in out
+    names = [g["name"] for g in json.loads((tmp_path / "out" / "manifest.json").read_text())["graphs"]]
+    assert any("_chain2_" in n for n in names) and any("_chain3_" in n for n in names)
+    for split, axis in (("experts", '[{"tp"}, {}, {}, {}]'), ("width", '[{}, {}, {"tp"}, {}]')):
+        out_dir = tmp_path / split
+        assert main([*argv[:-1], "--k", "2", "--tp", "2", "--expert-split", split, "--out", str(out_dir)]) == 0
+        text = (out_dir / "neuron" / "decode_b1_s16_w16_greedy.mlir").read_text()
+        gate_up = next(x for x in text.splitlines() if "experts']['gate_up_proj']\")" in x and "sdy.sharding" in x)
+        assert axis in gate_up, gate_up
+    assert main([*argv, "--k", "two", "--out", str(tmp_path / "x")]) == 2
+    assert main(["export", "--model", str(tmp_path / "missing.json"), "--out", str(tmp_path / "x")]) == 2
+    assert "--k two" in capsys.readouterr().err

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
+
 import pytest
 
 from peagle_jax.errors import UserError
-from peagle_jax.models.config import ModelConfig
+from peagle_jax.models.config import ModelConfig, from_hf_config
 from peagle_jax.neuron.plan import GIB, INSTANCES, ModelCost, model_cost, plan
 
 TINY = ModelConfig(
@@ -101,10 +105,135 @@ def test_plan_cli(save_hf, capsys):
         == 0
     )
     out = capsys.readouterr().out
-    assert "| plain decode |" in out and "speculative / plain tokens/s bound" in out
+    assert "| trn1.32xlarge | 2 | 0.0 of 16 GiB |" in out and "memory: 0.0 GiB per device" in out
     # 2 kv heads: TP 4 cannot shard them.
     assert (
         main(["plan", "--model", model_dir, "--instance", "trn1.32xlarge", "--tp", "4", "--acceptance-length", "2"])
         == 2
     )
     assert "must divide" in capsys.readouterr().err
+
+
+# A tiny GPT-OSS: 2 layers, 4 experts of width 8, top-2, fp32.
+TINY_MOE = dict(
+    model_type="gpt_oss",
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=8,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=4,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=4,
+)
+CONFIGS = Path(__file__).resolve().parent.parent / "neuron" / "configs"
+
+
+def test_moe_cost_counts_every_expert_in_memory_and_the_routed_ones_in_a_step_by_hand():
+    cfg = from_hf_config(TINY_MOE)
+    # Per layer: experts gate_up [4, 2, 8, 16] 1024 + down [4, 16, 8] 512 (matmuls) + biases 64 + 64; router
+    # 64 + 4; qkv [2, 4, 4, 16] 512 + bias 32; o_proj [16, 4, 4] 256 + bias 16; sinks 4; two norms 32: 2584.
+    # Embedding 1024, lm_head 1024, final norm 16: 2 * 2584 + 2064 = 7232 parameters of 4 bytes.
+    width = model_cost(cfg, expert_split="width", tp=2)
+    assert width.num_params == 7232 and width.param_bytes == 7232 * 4
+    assert width.weight_bytes == (7232 - 1024) * 4  # the untied input embedding is only gathered
+    assert width.matmul_params == 2 * (1536 + 64 + 512 + 256) + 1024
+    assert width.expert_params == 2 * 1536 and (width.num_experts, width.top_k) == (4, 2)
+    # Split by width: the experts but their down_proj bias (replicated), qkv (and bias), o_proj, sinks.
+    assert width.split_param_bytes == 2 * (1600 + 512 + 32 + 256 + 4) * 4
+    assert width.expert_bytes == 2 * 1600 * 4
+    whole = model_cost(cfg, expert_split="experts", tp=2)
+    assert whole.expert_bytes == 2 * 1664 * 4 and whole.split_param_bytes == width.split_param_bytes + 2 * 64 * 4
+    # Active per token: the router and 2 of the 4 experts.
+    assert whole.active_params == whole.matmul_params - 2 * 1536 / 2
+    # One token reads k = 2 of 4 experts; n tokens E (1 - (1 - k/E)^n) of them.
+    assert whole.experts_read(1) == 2 and whole.experts_read(3) == pytest.approx(4 * (1 - 0.5**3))
+    replicated = whole.weight_bytes - whole.split_bytes
+    read = whole.read_bytes_per_device(1, 2)
+    assert read == pytest.approx((whole.split_bytes - whole.expert_bytes / 2) / 2 + replicated)
+    assert whole.read_bytes_per_device(64, 2) == pytest.approx(whole.split_bytes / 2 + replicated)
+    assert whole.memory_per_device(2) == whole.split_param_bytes / 2 + whole.param_bytes - whole.split_param_bytes
+    flops = 2 * 3 * ((whole.split_matmul_params - 1536) / 2 + whole.matmul_params - whole.split_matmul_params)
+    assert whole.flops_per_device(3, 2) == pytest.approx(flops)
+
+
+def test_a_model_that_does_not_fit_is_refused_with_the_numbers():
+    # 40 GiB of weights, all split; a device of trn1.2xlarge has 16 GiB.
+    target = ModelCost(weight_bytes=40 * GIB, matmul_params=10**9, kv_bytes_per_token=2**20)
+    drafter = ModelCost(weight_bytes=GIB, matmul_params=10**8, kv_bytes_per_token=0)
+    # At TP 2: 20 GiB of weights + 1 GiB of KV cache (2^20 bytes x 1024 tokens) / 2 + the replicated drafter.
+    want = (
+        r"does not fit at TP 2: 21\.5 GiB per device \(target weights 20\.0 \+ KV cache 0\.50 \+ drafter 1\.00\) of 16"
+    )
+    with pytest.raises(UserError, match=want):
+        plan(target, drafter, INSTANCES["trn1.2xlarge"], tp=2, k=4, acceptance_length=2, context=1024)
+    r = plan(target, drafter, INSTANCES["trn1.32xlarge"], tp=4, k=4, acceptance_length=2, context=1024)
+    # At TP 4 on trn1.32xlarge: 10 + 0.25 + 1 GiB.
+    assert r.memory.total == pytest.approx(10 * GIB + GIB / 4 + GIB) and r.memory.capacity == 16 * GIB
+
+
+def test_moe_steps_read_the_routed_experts_by_hand():
+    # 1e9 bytes of which 8e8 are 32 experts (top-4); one device; a verify of K + 1 = 5 tokens.
+    target = ModelCost(
+        weight_bytes=10**9, matmul_params=5 * 10**8, kv_bytes_per_token=0, expert_bytes=8 * 10**8,
+        expert_params=4 * 10**8, num_experts=32, top_k=4,
+    )  # fmt: skip
+    drafter = ModelCost(0, 0, 0)
+    r = plan(target, drafter, INSTANCES["inf2.xlarge"], tp=1, k=4, acceptance_length=2, context=0)
+    bw = 410 * GIB
+    assert r.plain_step_s == pytest.approx((2 * 10**8 + 8 * 10**8 * 4 / 32) / bw)
+    distinct = 32 * (1 - (28 / 32) ** 5)  # 15.4 experts
+    assert r.verify_s == pytest.approx((2 * 10**8 + 8 * 10**8 * distinct / 32) / bw)
+    assert target.active_params == 10**8 + 4 * 10**8 * 4 / 32
+
+
+SHA256 = {  # of the files on the hub (neuron/configs/README.md)
+    "gpt-oss-20b": "3a2a26ded679375b7928ddeca59764df7cea83220c1961035f6d6e232659e9ce",
+    "gpt-oss-120b": "933aeb666a3fd851133ddd7686414f369bc564c4185fb5704416550879f10566",
+}
+
+
+@pytest.mark.parametrize(
+    "name, total, active",
+    [
+        ("gpt-oss-20b", 20.91, 3.61),  # the gpt-oss model card: 20.91B total, 3.61B active
+        ("gpt-oss-120b", 116.83, 5.13),  # 116.83B, 5.13B
+        ("Qwen3-Coder-30B-A3B-Instruct", 30.5, 3.3),  # its model card: 30.5B total, 3.3B activated
+    ],
+)
+def test_the_shipped_configs_have_the_published_parameter_counts(name, total, active):
+    path = CONFIGS / f"{name}.json"
+    if name in SHA256:
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == SHA256[name]
+    cfg = from_hf_config(json.loads(path.read_text()), dtype="bfloat16")
+    cost = model_cost(cfg)
+    unit = 10.0 ** -len(str(total).split(".")[1])  # the model card's last digit
+    assert cost.num_params / 1e9 == pytest.approx(total, abs=unit)
+    embed = cfg.vocab_size * cfg.hidden_size  # Qwen's card counts the input embedding as activated
+    assert (cost.active_params + (0 if name.startswith("gpt") else embed)) / 1e9 == pytest.approx(active, abs=unit)
+
+
+def test_plan_cli_on_the_shipped_configs(capsys):
+    from peagle_jax.neuron.__main__ import main
+
+    gpt = ["plan", "--model", str(CONFIGS / "gpt-oss-20b.json"), "--k", "10", "--acceptance-length", "3"]
+    assert main(gpt) == 0
+    out = capsys.readouterr().out
+    assert "3.61 B active per token" in out and "released gpt-oss-20b drafter's shape (4 layers" in out
+    assert "TP 1, 2, 4, 8; the others are refused: --tp 3 must divide the target's 8 kv heads" in out
+    # bf16: 39.0 GiB of target weights; trn1 and inf2 devices hold 16 GiB, trn2's 24 GiB.
+    assert "| trn1.2xlarge | 2 | refused: does not fit at TP 2: 23.2 GiB per device" in out
+    assert "| trn2.48xlarge | 2 | 23.2 of 24 GiB |" in out and "| trn1.32xlarge | 8 | 9.4 of 16 GiB |" in out
+    assert main([*gpt, "--instance", "trn1.2xlarge", "--tp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "error: trn1.2xlarge: does not fit at TP 2: 23.2 GiB per device (target weights 20.6" in err
+    assert main([*gpt, "--instance", "trn2.48xlarge", "--tp", "16"]) == 2
+    assert "--tp 16 must divide the target's 8 kv heads" in capsys.readouterr().err
+    # gpt-oss-120b in bf16 (234 GB) fits nowhere: TP stops at its 8 kv heads, 29 GiB per device.
+    big = ["plan", "--model", str(CONFIGS / "gpt-oss-120b.json"), "--k", "8", "--acceptance-length", "3"]
+    assert main(big) == 2
+    captured = capsys.readouterr()
+    assert "| trn2.48xlarge | 8 | refused: does not fit at TP 8: 31.7 GiB per device" in captured.out
+    assert "fits on none of these instances" in captured.err

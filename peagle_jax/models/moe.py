@@ -12,14 +12,19 @@ Two dispatches, both fixed-shape (no shape depends on the routing, nothing is so
 token is dropped: a capacity limit would break lossless verification), both the exact weighted sum over each
 token's top-k experts:
 
-- ``dense``: every expert runs on every token and the unselected experts get weight zero (``weights_BTE``, a
-  sum of one-hots over the top-k, no scatter), at E / top-k times the expert FLOPs;
+- ``dense``: every expert runs on every token (``out_BTED``, E / top-k times the expert FLOPs), then each
+  token takes its k experts' outputs (``take_along_axis``, no scatter);
 - ``gather``: each token gathers its k experts' weights (``jnp.take`` over E) and runs only those, which
   reads k of E experts per token: the decode step of a large MoE.
 
-``MoEConfig.dispatch`` picks one, or ``"auto"`` by shape (:func:`dispatch_for`). The default is ``dense``
-everywhere, so that a decode step and a verify compute the same products (the two dispatches agree to
-rounding, not bit for bit, and speculative decoding is tested token for token against plain decoding).
+Both end in :func:`combine` (each expert's output, bias included, times its routing weight, summed over k in
+top-k order), so they differ only where XLA computes the expert products themselves differently: on the CPU
+the dense products (``W @ x^T`` over all experts) and the gathered ones (a matrix-vector product per token
+and expert) are different kernels, which round differently in float32 and, at real widths, in bf16
+(``tests/test_moe_dispatch.py``; ``docs/bench/moe/README.md``). ``MoEConfig.dispatch`` picks one, or
+``"auto"`` by shape (:func:`dispatch_for`). The default is ``dense`` everywhere, so that a decode step and a
+verify of the same rows run the same dispatch (speculative decoding is tested token for token against plain
+decoding).
 """
 
 from __future__ import annotations
@@ -28,16 +33,17 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from peagle_jax import ops
 from peagle_jax.models.config import MoEConfig
 
 _init = nn.initializers.normal(stddev=0.02)
 
 
-def combine_weights(top_idx, top_w, num_experts: int):
-    """``weights_BTE``: the routing weight of each expert per token, zero for the unselected ones, from the
-    top-k indices and weights ([B, T, k]) as a sum of one-hots."""
-    one_hot = jax.nn.one_hot(top_idx, num_experts, dtype=top_w.dtype)  # [B, T, k, E]
-    return jnp.einsum("BTkE,BTk->BTE", one_hot, top_w)
+def combine(out, top_w):
+    """``out_BTD``: each token's k expert outputs ``out`` [B, T, k, D] weighted by ``top_w`` [B, T, k] and
+    summed over k in top-k order (as transformers: expert output, bias included, times its weight). Both
+    dispatches end here, so they round alike once their expert outputs agree."""
+    return jnp.sum(out * top_w.astype(out.dtype)[..., None], axis=2)
 
 
 def route_gpt_oss(logits_BTE, top_k: int):
@@ -85,9 +91,10 @@ class Experts(nn.Module):
 
     ``clamped``: GPT-OSS experts (biases; ``(clip(up, ±limit) + 1) * g * sigmoid(alpha g)``, g = min(gate,
     limit)); otherwise SiLU-gated without bias (Qwen3-MoE). ``dispatch`` ``"dense"`` runs all E experts on
-    every token with weight zero off the top-k (``weights_BTE``), applied to the hidden activations before
-    ``down_proj`` (the same sum, without a [B, T, E, D] intermediate); ``"gather"`` gathers each token's k
-    experts' weights and runs only those. Both compute the same sum (to rounding)."""
+    every token (``out_BTED``, each a contraction over F as in the gathered path) and then takes the k
+    selected ones' outputs; ``"gather"`` gathers each token's k experts' weights and runs only those. Both
+    then weight and sum the k outputs by the same arithmetic (:func:`combine`), in top-k order, so they
+    agree bit for bit wherever XLA computes the expert products alike (``tests/test_moe_dispatch.py``)."""
 
     cfg: MoEConfig
     clamped: bool
@@ -103,17 +110,17 @@ class Experts(nn.Module):
         gate_up_bias = self.param("gate_up_proj_bias", nn.initializers.zeros, (E, 2, F), dt) if self.clamped else None
         down_bias_ED = self.param("down_proj_bias", nn.initializers.zeros, (E, D), dt) if self.clamped else None
         if self.dispatch == "dense":
-            weights_BTE = combine_weights(top_idx, top_w, E)
-            gate_BTEF = jnp.einsum("BTD,EFD->BTEF", x_BTD, gate_up[:, 0])
-            up_BTEF = jnp.einsum("BTD,EFD->BTEF", x_BTD, gate_up[:, 1])
+            # ops.linear (W @ x^T) for all experts at once: written as x @ W^T, XLA's CPU dot repacks all E
+            # experts' weights on every call (python -m peagle_jax.bench.linear measures the two forms).
+            gate_up_BTE2F = ops.linear(gate_up, x_BTD)
+            gate_BTEF, up_BTEF = gate_up_BTE2F[..., 0, :], gate_up_BTE2F[..., 1, :]
             if self.clamped:
                 gate_BTEF = gate_BTEF + gate_up_bias[None, None, :, 0]
                 up_BTEF = up_BTEF + gate_up_bias[None, None, :, 1]
-            h_BTEF = self._activation(gate_BTEF, up_BTEF)
-            weights_BTE = weights_BTE.astype(h_BTEF.dtype)
-            out_BTD = jnp.einsum("BTEF,EDF->BTD", h_BTEF * weights_BTE[..., None], down_EDF)
+            out_BTED = jnp.einsum("BTEF,EDF->BTED", self._activation(gate_BTEF, up_BTEF), down_EDF)
             if self.clamped:
-                out_BTD = out_BTD + jnp.einsum("BTE,ED->BTD", weights_BTE, down_bias_ED)
+                out_BTED = out_BTED + down_bias_ED[None, None]
+            out = jnp.take_along_axis(out_BTED, top_idx[..., None], axis=2)  # [B, T, k, D]
         elif self.dispatch == "gather":  # [B, T, k, ...]: each token's k experts
             gate_up_sel = jnp.take(gate_up, top_idx, axis=0)  # [B, T, k, 2, F, D]
             gate = jnp.einsum("BTD,BTkFD->BTkF", x_BTD, gate_up_sel[:, :, :, 0])
@@ -121,14 +128,12 @@ class Experts(nn.Module):
             if self.clamped:
                 bias_sel = jnp.take(gate_up_bias, top_idx, axis=0)  # [B, T, k, 2, F]
                 gate, up = gate + bias_sel[:, :, :, 0], up + bias_sel[:, :, :, 1]
-            h = self._activation(gate, up)
-            top_w = top_w.astype(h.dtype)
-            out_BTD = jnp.einsum("BTkF,BTkDF->BTD", h * top_w[..., None], jnp.take(down_EDF, top_idx, axis=0))
+            out = jnp.einsum("BTkF,BTkDF->BTkD", self._activation(gate, up), jnp.take(down_EDF, top_idx, axis=0))
             if self.clamped:
-                out_BTD = out_BTD + jnp.einsum("BTk,BTkD->BTD", top_w, jnp.take(down_bias_ED, top_idx, axis=0))
+                out = out + jnp.take(down_bias_ED, top_idx, axis=0)
         else:
             raise ValueError(f"unknown MoE dispatch {self.dispatch!r}")
-        return out_BTD.astype(x_BTD.dtype)
+        return combine(out, top_w).astype(x_BTD.dtype)
 
     def _activation(self, gate, up):
         m = self.cfg

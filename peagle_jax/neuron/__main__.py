@@ -4,7 +4,9 @@ Examples::
 
     python -m peagle_jax.neuron export --out /tmp/peagle-neuron
     python -m peagle_jax.neuron export --model DIR --drafter DIR --buckets neuron/buckets.yaml --out OUT
+    python -m peagle_jax.neuron export --model neuron/configs/gpt-oss-20b.json --k 10 --no-write --out OUT
     python -m peagle_jax.neuron plan --instance trn1.2xlarge --tp 2 --k 7 --acceptance-length 3.5
+    python -m peagle_jax.neuron plan --model neuron/configs/gpt-oss-20b.json --k 10 --acceptance-length 3
 
 ``export`` exits 0 when every graph is clean, 1 when the lint found anything (the findings are printed),
 2 on a usage error.
@@ -23,13 +25,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m peagle_jax.neuron", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="export every graph with jax.export for neuron and tpu, and lint it")
-    e.add_argument("--model", default="smollm2", help="target model directory, or 'smollm2' (default)")
+    e.add_argument(
+        "--model",
+        default="smollm2",
+        help="target model directory, a config.json file (neuron/configs/ has GPT-OSS and Qwen3-Coder), or "
+        "'smollm2' (default)",
+    )
     e.add_argument(
         "--drafter",
-        help="drafter directory (default: the shipped drafter for smollm2, else a randomly initialised 2-layer "
-        "P-EAGLE drafter of the target's shape; a graph's shapes do not depend on the weights)",
+        help="drafter directory (default: the shipped drafter for smollm2, a randomly initialised drafter of the "
+        "released P-EAGLE drafter's shape for the targets in neuron/configs/, else a 2-layer P-EAGLE drafter of "
+        "the target's shape; a graph's shapes do not depend on the weights)",
     )
     e.add_argument("--buckets", help="serving buckets YAML (default: the built-in small set, see neuron/README.md)")
+    e.add_argument("--k", help="draft lengths K, comma-separated, instead of the buckets' k_values")
     e.add_argument("--out", required=True, help="output directory")
     e.add_argument(
         "--platforms", default="neuron,tpu", help="comma-separated jax.export platforms (default neuron,tpu)"
@@ -40,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="export the tensor-parallel graphs for this many devices (NeuronCores); must divide the kv heads",
+    )
+    e.add_argument(
+        "--expert-split",
+        choices=["auto", "experts", "width"],
+        default="auto",
+        help="with --tp, how a mixture of experts is split: whole experts, or every expert's width "
+        "(peagle_jax.sharding; default auto)",
     )
     from peagle_jax.neuron.plan import add_plan_parser
 
@@ -55,16 +71,22 @@ def run_export(args) -> int:
     from peagle_jax.neuron.export import export_all
     from peagle_jax.neuron.graphs import all_graphs
 
-    buckets = load_buckets(args.buckets)
+    overrides = {}
+    if args.k is not None:
+        try:
+            overrides["k_values"] = tuple(int(k) for k in args.k.split(","))
+        except ValueError:
+            raise UserError(f"--k {args.k}: expected comma-separated integers") from None
+    buckets = load_buckets(args.buckets, **overrides)
     platforms = tuple(p.strip() for p in args.platforms.split(",") if p.strip())
     if not platforms:
         raise UserError("--platforms is empty")
-    from peagle_jax.loading import configs
+    from peagle_jax.neuron.targets import configs
 
     cfg, dcfg, drafter_note = configs(args.model, args.drafter, buckets.dtype)
     if args.tp < 1:
         raise UserError(f"--tp must be >= 1, got {args.tp}")
-    graphs = all_graphs(cfg, dcfg, buckets, tp=args.tp)
+    graphs = all_graphs(cfg, dcfg, buckets, tp=args.tp, expert_split=args.expert_split)
     print(f"target: {args.model} ({cfg.family}, {cfg.num_layers} layers, vocab {cfg.vocab_size}, {cfg.dtype})")
     print(drafter_note)
     print(f"buckets: {buckets}" + (f"; tensor parallel over {args.tp} devices" if args.tp > 1 else ""))

@@ -40,7 +40,7 @@ from peagle_jax.models import model
 from peagle_jax.models.config import ModelConfig
 from peagle_jax.neuron.buckets import ServingBuckets
 from peagle_jax.sampling import SamplingParams
-from peagle_jax.sharding import AXIS, CACHE_SPEC, check_tp, param_shardings
+from peagle_jax.sharding import AXIS, CACHE_SPEC, check_target_tp, param_shardings
 from peagle_jax.spec.graphs import flush_context, fused_step, plain_step, write_context
 from peagle_jax.spec.plan import prefill_keys, serving_trees, step_keys, windows_up_to
 from peagle_jax.spec.state import cache_slack, queue_slots
@@ -235,18 +235,21 @@ def _step_graphs(cfg, params, dcfg, dparams, buckets, gen, step: Tree, B, caches
     return out
 
 
-def all_graphs(cfg: ModelConfig, dcfg: DrafterConfig, buckets: ServingBuckets, tp: int = 1) -> list[Graph]:
+def all_graphs(
+    cfg: ModelConfig, dcfg: DrafterConfig, buckets: ServingBuckets, tp: int = 1, expert_split: str = "auto"
+) -> list[Graph]:
     """Every graph for these buckets, deduplicated by name (a graph shared by two draft shapes once).
 
     With ``tp > 1`` the graphs are the tensor-parallel ones (:mod:`peagle_jax.sharding`): parameters and KV
-    cache carry their ``tp`` shardings over an abstract mesh, the drafter is replicated, and each exported
-    module is a ``tp``-device program for the compiler's partitioner."""
+    cache carry their ``tp`` shardings over an abstract mesh (a mixture of experts split as ``expert_split``
+    says), the drafter is replicated, and each exported module is a ``tp``-device program for the compiler's
+    partitioner."""
     params, dparams = abstract_params(cfg), abstract_drafter_params(dcfg)
     mesh = None
     if tp > 1:
-        check_tp(tp, num_kv_heads=cfg.num_kv_heads, intermediate_size=cfg.intermediate_size)
+        check_target_tp(tp, cfg, expert_split)
         mesh = abstract_mesh(tp)
-        params = _placed(params, param_shardings(params, mesh))
+        params = _placed(params, param_shardings(params, mesh, expert_split))
         dparams = _placed(dparams, NamedSharding(mesh, PartitionSpec()))
     graphs = plain_graphs(cfg, params, buckets, mesh)
     trees = [chain(k) for k in buckets.k_values] + [parse_tree(t) for t in buckets.trees]
