@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from pathlib import Path
 
 import pytest
 import transformers
@@ -184,3 +185,24 @@ def test_bad_config_files(tmp_path):
     path.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="JSON object"):
         load_hf_config(tmp_path)
+
+
+RELEASED = Path(__file__).resolve().parent.parent / "neuron" / "configs"
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-20b", "gpt-oss-120b", "Qwen3-Coder-30B-A3B-Instruct"])
+def test_released_moe_configs_load_without_warnings(name, caplog):
+    """Every attribute of the hub configs of the released drafters' targets is read, or checked to agree
+    with the math transformers runs; a disagreeing value is refused by name."""
+    hf = json.loads((RELEASED / f"{name}.json").read_text())
+    with caplog.at_level(logging.WARNING, logger="peagle_jax.models.config"):
+        from_hf_config(hf)
+    assert "not read" not in caplog.text
+    changed = (
+        {"experts_per_token": 2, "initial_context_length": 8192}
+        if hf["model_type"] == "gpt_oss"
+        else {"qkv_bias": True, "use_qk_norm": False, "shared_expert_intermediate_size": 512}
+    )
+    for key, value in changed.items():
+        with pytest.raises(ConfigError, match=f"config attribute {key}={value!r} is not supported"):
+            from_hf_config({**hf, key: value})

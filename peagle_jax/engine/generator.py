@@ -78,8 +78,7 @@ class Generator:
         if mesh is not None and params is not None:
             from peagle_jax import sharding
 
-            sharding.check_tp(mesh.size, num_kv_heads=cfg.num_kv_heads, intermediate_size=cfg.intermediate_size)
-            params = sharding.shard_params(params, mesh)
+            params = sharding.shard_target(cfg, params, mesh)  # keeps an expert split already placed
         self.cfg, self.params, self.max_seq_len = cfg, params, max_seq_len
         self.prefill_buckets = tuple(b for b in sorted(prefill_buckets) if b <= max_seq_len) or (max_seq_len,)
         self.batch_buckets = tuple(sorted(batch_buckets))

@@ -237,6 +237,13 @@ _KNOWN = {
     "swiglu_alpha",
     "swiglu_limit",
 }
+# Attributes some hub configs carry that transformers does not read for the family (gpt-oss's OpenAI-side
+# fields, Qwen3-Coder's leftovers of Qwen2-MoE): accepted where they agree with the math transformers runs,
+# refused otherwise. A string names the attribute it must equal ("rope": YaRN's original context).
+_MUST_AGREE = {
+    "gpt_oss": {"experts_per_token": "num_experts_per_tok", "initial_context_length": "rope"},
+    "qwen3_moe": {"qkv_bias": False, "use_qk_norm": True, "shared_expert_intermediate_size": 0},
+}
 # Attributes read for the mixture-of-experts families only (refused elsewhere through _REFUSED_IF_SET).
 _MOE_KEYS = {"num_experts", "num_local_experts", "moe_intermediate_size", "num_experts_per_tok"}
 # Attributes whose mere presence with a non-trivial value means an architecture we do not implement.
@@ -330,7 +337,17 @@ def _refuse_unsupported(hf: dict[str, Any], family: str) -> None:
         raise ConfigError("config attributes swiglu_limit / swiglu_alpha are read for gpt_oss only")
     if family == "qwen2" and hf.get("attention_bias") is False:
         raise ConfigError("config attribute attention_bias=False is not supported for qwen2")
-    unknown = sorted(k for k in hf if k not in _KNOWN and k not in _REFUSED_IF_SET)
+    agree = _MUST_AGREE.get(family, {})
+    for key, want in agree.items():
+        if key not in hf:
+            continue
+        if want == "rope":
+            want = _rope_from_hf(hf).original_max_position_embeddings
+        elif isinstance(want, str):
+            want = hf.get(want)
+        if hf[key] != want:
+            raise ConfigError(f"config attribute {key}={hf[key]!r} is not supported (transformers runs {want!r})")
+    unknown = sorted(k for k in hf if k not in _KNOWN and k not in _REFUSED_IF_SET and k not in agree)
     if unknown:
         logging.getLogger(__name__).warning(
             "config attributes %s are not read by peagle_jax; check they do not change the math", unknown
