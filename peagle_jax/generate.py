@@ -17,8 +17,15 @@ import sys
 import time
 
 from peagle_jax.drafter.shipped import DEFAULT_FOR_MODEL, check_speculation_flags, default_tree, resolve_drafter
-from peagle_jax.errors import UserError
-from peagle_jax.loading import DEFAULT_MODEL, GeneratorOptions, build_generator, load_tokenizer, resolve_model_dir
+from peagle_jax.errors import UserError, comma_ints
+from peagle_jax.loading import (
+    DEFAULT_MODEL,
+    GeneratorOptions,
+    build_generator,
+    load_tokenizer,
+    resolve_model_dir,
+    target_config,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,12 +126,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_prompt(prompt: list[int], args, vocab_size: int) -> None:
+    """The checks that need only the config, before any weight is read or graph compiled."""
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise UserError(f"the prompt has token id {bad[0]} outside the vocabulary 0..{vocab_size - 1}")
+    if len(prompt) + args.max_new_tokens > args.max_seq_len:
+        raise UserError(
+            f"the prompt has {len(prompt)} tokens; with --max-new-tokens {args.max_new_tokens} that exceeds "
+            f"--max-seq-len {args.max_seq_len}"
+        )
+
+
 def encode_prompt(args, tokenizer) -> list[int]:
     if args.prompt_ids is not None:
-        try:
-            return [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-        except ValueError:
-            raise UserError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+        return comma_ints(args.prompt_ids, "--prompt-ids", "1,2,3")
     if tokenizer is None:
         raise UserError("this model directory has no tokenizer; pass --prompt-ids instead of --prompt")
     if args.chat:
@@ -161,6 +177,7 @@ def run(args) -> dict:
     model_dir = resolve_model_dir(args.model)
     tokenizer = load_tokenizer(model_dir)
     prompt = encode_prompt(args, tokenizer)
+    check_prompt(prompt, args, target_config(str(model_dir), args.dtype).vocab_size)
     opts = GeneratorOptions(
         dtype=args.dtype,
         max_seq_len=args.max_seq_len,

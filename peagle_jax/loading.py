@@ -50,9 +50,9 @@ def load_tokenizer(model_dir: Path):
     """The directory's tokenizer, or None when it has none (then only token-id prompts work)."""
     if not any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
-    from transformers import AutoTokenizer
+    from peagle_jax.hf_tokenizers import transformers
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    return transformers().AutoTokenizer.from_pretrained(str(model_dir))
 
 
 def target_config(model: str, dtype: str, aux_layer_ids=None):

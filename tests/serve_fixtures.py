@@ -111,12 +111,14 @@ class ServerProcess:
             time.sleep(0.1)
         raise TimeoutError(f"server not ready:\n{self.log.read_text()}")
 
-    def stop(self) -> None:
+    def stop(self) -> int | None:
+        """SIGTERM, then the exit status (None: it had to be killed after 20 s)."""
         self.proc.terminate()
         try:
-            self.proc.wait(20)
+            return self.proc.wait(20)
         except Exception:  # noqa: BLE001
             self.proc.kill()
+            return None
 
 
 def http(base: str, method: str, path: str, body: bytes | str | None = None, headers=None, timeout: float = 120):

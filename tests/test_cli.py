@@ -74,11 +74,14 @@ BAD = {
     "corrupt_weights": (["--model", "corrupt", "--prompt-ids", "1,2"], "not a readable safetensors file"),
     "no_such_dir": (["--model", "/nonexistent", "--prompt-ids", "1,2"], "/nonexistent"),
     "bad_prompt_ids": (["--model", "good", "--prompt-ids", "1,x"], "--prompt-ids"),
+    "empty_prompt_id": (["--model", "good", "--prompt-ids", "1,,2"], "without empty ones"),
     "negative_temperature": (["--model", "good", "--prompt-ids", "1,2", "--temperature", "-1"], "temperature"),
     "token_outside_vocab": (["--model", "good", "--prompt-ids", "1,128"], "token id 128"),
     "text_without_tokenizer": (["--model", "good", "--prompt", "hi"], "no tokenizer"),
     "tiny_max_seq_len": (["--model", "good", "--prompt-ids", "1,2", "--max-seq-len", "1"], "--max-seq-len"),
-    "too_long": (["--model", "good", "--prompt-ids", "1,2", "--max-seq-len", "4"], "max_seq_len=4"),
+    "too_long": (["--model", "good", "--prompt-ids", "1,2", "--max-seq-len", "4"], "--max-seq-len 4"),
+    # Checked from config.json before the weights are read: this directory has none.
+    "bad_token_before_weights": (["--model", "config_only", "--prompt-ids", "1,500"], "token id 500"),
 }
 
 

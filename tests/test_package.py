@@ -52,3 +52,23 @@ def test_import_does_not_import_jax():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "Generator"
+
+
+def test_no_pytorch_advisory_line_where_pytorch_is_absent():
+    """peagle_jax uses transformers for tokenizers only; without PyTorch (hidden here) transformers would print
+    "PyTorch was not found" on every run, unless imported through peagle_jax.hf_tokenizers."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
+    hide = "import sys; sys.modules['torch'] = None; "
+
+    def run(code: str):
+        return subprocess.run([sys.executable, "-c", hide + code], capture_output=True, text=True, env=env)
+
+    plain = run("import transformers")
+    assert "PyTorch was not found" in plain.stderr  # the line this guards against exists
+    ours = run("from peagle_jax.hf_tokenizers import transformers; transformers().AutoTokenizer")
+    assert ours.returncode == 0, ours.stderr
+    assert "PyTorch was not found" not in ours.stderr

@@ -27,7 +27,8 @@ def server(model_dir, tmp_path_factory):
     args = ["--model", str(model_dir), "--max-batch", "4", "--max-seq-len", str(MAX_SEQ), "--max-queue", "24"]
     proc = ServerProcess(*args, log=tmp_path_factory.mktemp("log") / "server.log").wait()
     yield proc
-    proc.stop()
+    assert proc.stop() == 0  # SIGTERM drains and exits 0
+    assert "Traceback" not in proc.log.read_text()  # no request, however bad, crashed a handler
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +160,8 @@ BAD = {
     "tools": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}),
     "chat_too_long": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "z" * MAX_SEQ}]}),
     "invocations_garbage": ("/invocations", "garbage"),
+    "invocations_deeply_nested": ("/invocations", '{"messages":' + "[" * 100000 + "]" * 100000 + "}"),
+    "chat_deeply_nested": ("/v1/chat/completions", '{"messages":' + "[" * 100000 + "]" * 100000 + "}"),
 }
 
 
@@ -187,9 +190,9 @@ def test_wrong_method_and_path(server):
         assert status == code and json.loads(raw)["error"]["message"]
 
 
-def _open_stream(server, max_tokens: int) -> socket.socket:
-    """A raw streaming request whose client then vanishes (the socket is closed without reading)."""
-    body = json.dumps({"model": "tiny", "prompt": "q", "max_tokens": max_tokens, "temperature": 0, "stream": True})
+def _open_stream(server, max_tokens: int, stream: bool = True) -> socket.socket:
+    """A raw (streaming) request whose client then vanishes (the socket is closed without reading)."""
+    body = json.dumps({"model": "tiny", "prompt": "q", "max_tokens": max_tokens, "temperature": 0, "stream": stream})
     s = socket.create_connection(("127.0.0.1", server.port))
     s.sendall(
         f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -240,6 +243,53 @@ def test_queue_bound_429_and_disconnect_cancels(server):
         server.base, "POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 3})
     )
     assert ok == 200
+
+
+def _status(sock: socket.socket) -> int:
+    sock.settimeout(60)
+    return int(sock.recv(64).split(b" ", 2)[1])
+
+
+def test_a_burst_of_slots_plus_queue_is_accepted_whole(server):
+    """4 slots + 24 queue places sent at once on an idle server: all 28 accepted (the engine thread admits
+    them one prefill at a time, which must not count them as waiting), the 29th refused."""
+    _wait_idle(server)
+    socks = [_open_stream(server, MAX_SEQ - 2) for _ in range(28)]
+    try:
+        assert [_status(s) for s in socks] == [200] * 28
+        extra = _open_stream(server, MAX_SEQ - 2)
+        socks.append(extra)
+        assert _status(extra) == 429
+    finally:
+        for s in socks:
+            s.close()
+    _wait_idle(server, timeout=8)
+
+
+def test_a_non_streaming_client_that_disconnects_frees_its_slot(server):
+    before = _wait_idle(server)
+    socks = [_open_stream(server, MAX_SEQ - 2, stream=False) for _ in range(2)]
+    _wait_for(server, "peagle_active_slots", 2)
+    for s in socks:
+        s.close()
+    m = _wait_idle(server, timeout=3)  # the disconnect is seen at once, not when the answer is done
+    assert m["peagle_completion_tokens_total"] - before["peagle_completion_tokens_total"] < MAX_SEQ - 2
+    key = 'peagle_requests_total{endpoint="completions",outcome="client_gone"}'
+    assert m[key] - before.get(key, 0) == 2
+
+
+def test_an_oversized_body_is_413_while_health_answers(server):
+    t0 = time.time()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:  # declares 9 MiB, sends 1 KiB
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % (9 << 20) + b" " * 1024
+        )
+        head, _, body = s.recv(65536).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), head  # the limit is 8 MiB: refused without reading the rest
+    assert "exceeds the limit" in json.loads(body)["error"]["message"]
+    assert time.time() - t0 < 10
+    assert http(server.base, "GET", "/health")[0] == 200
 
 
 def test_metrics_count_requests_and_tokens(server, client):

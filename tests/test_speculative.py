@@ -13,6 +13,7 @@ from peagle_jax.drafter import draft as D
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.model import init_drafter_params
 from peagle_jax.engine.generator import Generator
+from peagle_jax.errors import UserError, comma_ints, comma_list
 from peagle_jax.models import model as M
 from peagle_jax.models.config import ModelConfig
 from peagle_jax.sampling import SamplingParams, processed_logits
@@ -255,6 +256,9 @@ def test_tree_specs():
     for bad in ("", "0,x", "00", "0,0"):
         with pytest.raises(ValueError):
             V.parse_tree(bad)
+    for bad in ("0,,1", "0,1,", ",0", " "):  # an empty item is a typo, not a tree
+        with pytest.raises(UserError, match="--tree .*without empty ones"):
+            V.parse_tree(bad)
 
 
 def test_mismatched_drafter_is_refused(models):
@@ -390,3 +394,13 @@ def test_tree_verify_moves_the_accepted_path_in_place(dtype):
     shape = rf"\[4,{cfg.num_kv_heads},{S},{cfg.head_dim}\]"
     ops = re.findall(rf"= \w+{shape}\S* (\S+)\(", text)
     assert "copy" not in ops and "concatenate" not in ops, sorted(set(ops))
+
+
+def test_comma_lists_refuse_empty_items():
+    assert comma_list(" a, b ", "--x", "a,b") == ["a", "b"]
+    assert comma_ints("4,12", "--k", "3,7") == [4, 12]
+    for bad in ("", "1,,2", "1,2,", ","):
+        with pytest.raises(UserError, match=f"--k {bad!r}: expected comma-separated items without empty ones"):
+            comma_ints(bad, "--k", "3,7")
+    with pytest.raises(UserError, match="--k '1,x': expected comma-separated integers, e.g. 3,7"):
+        comma_ints("1,x", "--k", "3,7")

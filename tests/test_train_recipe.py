@@ -59,6 +59,11 @@ def test_tiny_recipe_end_to_end_and_resume(tmp_path):
     )
     proc = _run(*args, "run.stop_after=12")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # As a run killed after step 14 leaves them: rows past its last checkpoint, redone on resume, not repeated.
+    with open(part / "metrics.jsonl", "a") as f:
+        f.writelines(json.dumps({"step": s, "loss": 999.0}) + "\n" for s in (12, 13, 14))
+    with open(part / "eval.jsonl", "a") as f:
+        f.write(json.dumps({"step": 14, "loss": 999.0}) + "\n")
     proc = _run(*args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from step 12" in proc.stderr

@@ -192,7 +192,10 @@ def build_tokenizer(path: str | os.PathLike[str]) -> Any:
     on its own, then the GPT-2 split), marks the control tokens special, and carries the chat template.
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
+
+    from peagle_jax.hf_tokenizers import transformers
+
+    PreTrainedTokenizerFast = transformers().PreTrainedTokenizerFast
 
     reader = gguf.GGUFReader(path)
     kind, pre = _field(reader, "tokenizer.ggml.model"), _field(reader, "tokenizer.ggml.pre", "gpt-2")

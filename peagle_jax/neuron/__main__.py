@@ -18,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from peagle_jax.errors import UserError
+from peagle_jax.errors import UserError, comma_ints, comma_list
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,14 +73,9 @@ def run_export(args) -> int:
 
     overrides = {}
     if args.k is not None:
-        try:
-            overrides["k_values"] = tuple(int(k) for k in args.k.split(","))
-        except ValueError:
-            raise UserError(f"--k {args.k}: expected comma-separated integers") from None
+        overrides["k_values"] = tuple(comma_ints(args.k, "--k", "3,7"))
     buckets = load_buckets(args.buckets, **overrides)
-    platforms = tuple(p.strip() for p in args.platforms.split(",") if p.strip())
-    if not platforms:
-        raise UserError("--platforms is empty")
+    platforms = tuple(comma_list(args.platforms, "--platforms", "neuron,tpu"))
     from peagle_jax.neuron.targets import configs
 
     cfg, dcfg, drafter_note = configs(args.model, args.drafter, buckets.dtype)

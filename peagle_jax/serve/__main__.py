@@ -14,8 +14,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
+
+import uvicorn
 
 from peagle_jax.drafter.shipped import DEFAULT_FOR_MODEL, check_speculation_flags, default_tree, resolve_drafter
 from peagle_jax.errors import UserError
@@ -85,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queue", type=int, default=64, help="requests waiting for a slot before 429 answers (default 64)"
     )
     p.add_argument(
+        "--max-body-size",
+        default="8MiB",
+        help="largest request body; a larger one is answered 413 before the rest is read (default 8MiB; "
+        "units as 500KB, 8MiB)",
+    )
+    p.add_argument(
         "--platform",
         default="cpu",
         help="cpu (default), gpu, tpu or neuron; an accelerator needs its JAX plugin (the error says how to get it)",
@@ -145,6 +154,9 @@ def resolve(args) -> argparse.Namespace:
             raise UserError(f"{flag} must be >= {low}, got {value}")
     if not 0 <= args.port < 65536:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
+    from peagle_jax.models.tensors import parse_size
+
+    args.max_body_size = parse_size(args.max_body_size)
     args.drafter = resolve_drafter(args.model, args.drafter, args.k)
     args.tree = default_tree(args.drafter, args.k, args.tree)
     args.adaptive_k = adaptive and args.drafter is not None
@@ -169,7 +181,7 @@ def parse_load_k(spec: str | None) -> tuple[list[tuple[int, int]], bool]:
     if spec.strip() == "none":
         return [], False
     try:
-        pairs = [tuple(int(x) for x in item.split(":")) for item in spec.split(",") if item.strip()]
+        pairs = [tuple(int(x) for x in item.split(":")) for item in spec.split(",")]
     except ValueError:
         pairs = []
     if not pairs or any(len(p) != 2 for p in pairs):
@@ -223,8 +235,6 @@ def main(argv=None) -> int:
 
 
 def serve(args, engine, tokenizer, stops, name) -> int:
-    import uvicorn
-
     from peagle_jax.serve.app import ServerState, build_app
     from peagle_jax.serve.metrics import Metrics
     from peagle_jax.serve.worker import EngineWorker
@@ -242,7 +252,7 @@ def serve(args, engine, tokenizer, stops, name) -> int:
     worker = EngineWorker(engine, max_queue=args.max_queue, metrics=metrics)
     metrics.queue_depth = lambda: worker.queue_depth
     metrics.active_slots = lambda: engine.active
-    state = ServerState(worker, tokenizer, name, args.max_seq_len, stops)
+    state = ServerState(worker, tokenizer, name, args.max_seq_len, stops, max_body_bytes=args.max_body_size)
 
     def progress(done, total):
         if done == total or done % 8 == 0:
@@ -271,9 +281,21 @@ def serve(args, engine, tokenizer, stops, name) -> int:
 
     app = build_app(state, lifespan=lifespan)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
-    server = uvicorn.Server(config)
+    server = DrainingServer(config)
     server.run()
     return 2 if worker.user_error else 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn drains in-flight requests on SIGTERM and then re-raises the signal, so the process would end
+    with status 143; SIGTERM is how orchestrators (Kubernetes, SageMaker, systemd) stop a server, and a
+    drained stop exits 0. SIGINT keeps uvicorn's behaviour (a second one forces the exit)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            yield
+            self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
 
 def _wait_ready(worker) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import secrets
@@ -41,6 +42,7 @@ class ServerState:
     max_seq_len: int
     stop_token_ids: tuple[int, ...]
     retry_after_s: int = 1
+    max_body_bytes: int = 8 << 20  # a larger request body is refused with 413 before it is read further
 
 
 class TextStream:
@@ -153,8 +155,32 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
             raise APIError(400, str(err)) from None
         return sreq
 
-    async def generate(request: Request, req, endpoint: str):
-        sreq = slot_request(req)
+    async def read_body(request: Request) -> bytes:
+        """The request body, refused with 413 as soon as it exceeds ``state.max_body_bytes`` (by its
+        Content-Length, or while it streams in)."""
+        limit = state.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"the request body ({int(declared)} bytes) exceeds the limit of {limit} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"the request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def gone(request: Request) -> None:
+        """Returns when the client disconnects (the body has been read: the next message is the disconnect)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async def generate(request: Request, parse, endpoint: str):
+        """Serve one request whose body ``parse`` (bytes -> request object) validates."""
+        body = await read_body(request)
+        # Parsing and tokenization are CPU work: off the event loop, so that /health and streams keep going.
+        req = await asyncio.to_thread(parse, body)
+        sreq = await asyncio.to_thread(slot_request, req)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         try:
@@ -177,15 +203,16 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
                 headers={"Cache-Control": "no-cache"},
             )
         finish, produced = None, 0
+        disconnected = asyncio.ensure_future(gone(request))  # watched beside the events, not in their gaps
         try:
             while finish is None:
-                try:
-                    ev = await asyncio.wait_for(events.get(), timeout=0.25)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        metrics.request(endpoint, "client_gone")
-                        return Response(status_code=499)
-                    continue
+                next_event = asyncio.ensure_future(events.get())
+                await asyncio.wait((next_event, disconnected), return_when=asyncio.FIRST_COMPLETED)
+                if not next_event.done():
+                    next_event.cancel()
+                    metrics.request(endpoint, "client_gone")
+                    return Response(status_code=499)
+                ev = next_event.result()
                 if isinstance(ev, Failure):
                     raise APIError(
                         ev.status, ev.message, type="server_error" if ev.status >= 500 else "invalid_request_error"
@@ -194,6 +221,7 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
                 text.feed(ev.tokens, final=ev.finish_reason is not None)
                 finish = "stop" if text.stopped else ev.finish_reason
         finally:
+            disconnected.cancel()
             if finish is None or text.stopped:
                 worker.cancel(sreq.id)
         metrics.tokens(len(sreq.prompt), produced)
@@ -201,19 +229,13 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
         return JSONResponse(fmt.full(text.text, finish, produced))
 
     async def completions(request: Request):
-        return await generate(request, protocol.parse(CompletionRequest, await request.body()), "completions")
+        return await generate(request, functools.partial(protocol.parse, CompletionRequest), "completions")
 
     async def chat(request: Request):
-        return await generate(request, protocol.parse(ChatRequest, await request.body()), "chat")
+        return await generate(request, functools.partial(protocol.parse, ChatRequest), "chat")
 
     async def invocations(request: Request):
-        body = await request.body()
-        try:
-            is_chat = "messages" in json.loads(body)
-        except (ValueError, TypeError):
-            is_chat = False
-        schema = ChatRequest if is_chat else CompletionRequest
-        return await generate(request, protocol.parse(schema, body), "invocations")
+        return await generate(request, protocol.parse_invocation, "invocations")
 
     async def models(request: Request):
         created = int(time.time())

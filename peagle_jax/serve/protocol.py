@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_STOP = 4  # stop strings per request, as the OpenAI API
@@ -88,6 +89,18 @@ class ChatRequest(_Common):
 
 def _where(loc) -> str:
     return ".".join(str(x) for x in loc if not (isinstance(x, str) and ("[" in x or x in {"str", "int", "list"})))
+
+
+def parse_invocation(body: bytes) -> _Common:
+    """A SageMaker ``/invocations`` body: a chat request when it has ``messages``, else a completion. The
+    first look goes through pydantic's JSON parser too (nesting-limited: a deeply nested body is a 400, never a
+    RecursionError)."""
+    try:
+        obj = pydantic_core.from_json(body)
+    except ValueError as err:
+        raise APIError(400, f"the request body is not valid JSON: {err}") from None
+    is_chat = isinstance(obj, dict) and "messages" in obj
+    return parse(ChatRequest if is_chat else CompletionRequest, body)
 
 
 def parse(schema: type[_Common], body: bytes) -> _Common:

@@ -3,8 +3,8 @@
 The HTTP side (asyncio) talks to it only through thread-safe queues: :meth:`EngineWorker.submit` and
 :meth:`EngineWorker.cancel` put messages in an inbox, and each request's events come back through the
 ``deliver`` callback it was submitted with (the server's callback hops onto the event loop with
-``call_soon_threadsafe``). The queue of requests waiting for a slot is bounded: beyond ``max_queue``,
-:meth:`submit` raises :class:`QueueFull` at once (the server answers 429).
+``call_soon_threadsafe``). The queue of requests waiting for a slot is bounded: beyond ``max_queue`` past
+the free slots, :meth:`submit` raises :class:`QueueFull` at once (the server answers 429).
 
 The thread never dies on a request: a failure while admitting one request ends that request with an error
 event; a failure inside a step ends every active request with an error and starts over with fresh caches.
@@ -73,8 +73,11 @@ class EngineWorker:
         self._thread.start()
 
     def submit(self, req: SlotRequest, deliver: Deliver) -> None:
+        """Queue ``req``; :class:`QueueFull` when more than ``max_queue`` requests would wait beyond the free
+        slots (requests the engine thread has not admitted yet take free slots first, so a burst of exactly
+        slots + ``max_queue`` is accepted whole)."""
         with self._lock:
-            if self._queued >= self.max_queue:
+            if self._queued - self.engine.free >= self.max_queue:
                 raise QueueFull
             self._queued += 1
         self._inbox.put(("submit", req, deliver))
@@ -102,9 +105,9 @@ class EngineWorker:
             self._drain(block=idle)
             while self._waiting and self.engine.free:
                 req, deliver = self._waiting.popleft()
-                with self._lock:
-                    self._queued -= 1
                 self._admit(req, deliver)
+                with self._lock:  # counted as queued until it holds its slot (or failed): never neither
+                    self._queued -= 1
             if self.engine.active:
                 self._step()
 

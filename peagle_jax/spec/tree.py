@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from peagle_jax.errors import UserError
+from peagle_jax.errors import UserError, comma_list
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +91,8 @@ def chain(k: int) -> Tree:
 
 def parse_tree(spec: str) -> Tree:
     """``"0,00,000"`` (a chain of 3) or ``"0,1,00,10"``: comma-separated paths of candidate ranks."""
-    paths = [p.strip() for p in spec.split(",") if p.strip()]
-    if not paths or any(not p.isdigit() for p in paths):
+    paths = comma_list(spec, "--tree", "0,1,00,10")
+    if any(not p.isdigit() for p in paths):
         raise UserError(f"--tree {spec!r}: expected comma-separated paths of candidate ranks, e.g. 0,1,00,10")
     if len(set(paths)) != len(paths):
         raise UserError(f"--tree {spec!r}: a path is listed twice")

@@ -192,6 +192,22 @@ def summarize(metrics: dict, step: int) -> dict:
     return record
 
 
+def truncate_jsonl(path: str | Path, keep) -> int:
+    """Keep only the records of a JSON-lines file for which ``keep(record)`` holds (a resumed run drops the
+    rows a killed run wrote after its last checkpoint, which it is about to write again); returns how many
+    were dropped. A missing file is left missing."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if line.strip() and keep(json.loads(line))]
+    if len(kept) != len(lines):
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)
+    return len(lines) - len(kept)
+
+
 def append_jsonl(path: str | Path, record: dict) -> None:
     """Append one record as a JSON line (the file is created on first use)."""
     with open(path, "a") as f:

@@ -38,6 +38,7 @@ from peagle_jax.train.loop import (
     restore_state,
     save_state,
     summarize,
+    truncate_jsonl,
 )
 from peagle_jax.train.pack import conversation, pack, packing_stats
 from peagle_jax.train.prompts import DataError, load_prompts
@@ -49,9 +50,8 @@ from peagle_jax.train.vocab import coverage, draft_vocab, token_counts, unused_t
 
 def load_target(recipe: Recipe):
     """``(cfg, params, tokenizer, source)`` of the recipe's target."""
-    from transformers import AutoTokenizer
-
     from peagle_jax.checkpoint import load_target_any
+    from peagle_jax.hf_tokenizers import transformers
     from peagle_jax.models.gguf import default_model_dir
 
     t = recipe.target
@@ -60,7 +60,7 @@ def load_target(recipe: Recipe):
         return str(default_model_dir()) if name == "smollm2" else name
 
     tok_dir = resolve(t.tokenizer or (t.model if t.model != "random" else "smollm2"))
-    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    tokenizer = transformers().AutoTokenizer.from_pretrained(tok_dir)
     if not tokenizer.chat_template:
         raise DataError(f"the tokenizer of {tok_dir} has no chat template; training prompts need one")
     if t.model == "random":
@@ -299,6 +299,9 @@ def run(recipe: Recipe, output: str | Path, *, log=print) -> dict:
     writer = _tensorboard(out / "tb") if recipe.run.tensorboard else None
 
     first = int(state.step)
+    # Rows past the checkpoint were written by a run killed before it saved them: they are about to be redone.
+    truncate_jsonl(out / "metrics.jsonl", lambda r: r["step"] < first)
+    truncate_jsonl(out / "eval.jsonl", lambda r: r["step"] <= first)
     bar = tqdm(total=tcfg.total_steps, initial=first, desc="train", unit="step", disable=not recipe.run.progress)
     t_train, tokens = time.perf_counter(), 0
     record = eval_record = None
