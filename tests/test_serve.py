@@ -184,6 +184,14 @@ def test_bad_input_is_a_4xx_openai_error(server, case):
     assert ok == 200
 
 
+def test_a_port_in_use_is_one_error_line_before_anything_loads(server, model_dir):
+    cmd = [sys.executable, "-m", "peagle_jax.serve", "--model", str(model_dir), "--port", str(server.port)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)  # bound before the model loads
+    assert proc.returncode == 2
+    want = f"error: cannot listen on 127.0.0.1:{server.port}: Address already in use"
+    assert proc.stderr.strip().splitlines() == [want]
+
+
 def test_wrong_method_and_path(server):
     for method, path, code in (("GET", "/v1/completions", 405), ("POST", "/v1/nothing", 404)):
         status, _, raw = http(server.base, method, path)

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -222,6 +223,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args = resolve(args)
+        sock = listen_socket(args.host, args.port)  # a taken port is said at once, before anything loads
+        args.port = sock.getsockname()[1]
         select_platform(args.platform, args.compilation_cache)
         gen, tokenizer, stops, name = load(args)
         from peagle_jax.serve.slots import SlotEngine
@@ -231,10 +234,24 @@ def main(argv=None) -> int:
     except (UserError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    return serve(args, engine, tokenizer, stops, name)
+    return serve(args, engine, tokenizer, stops, name, sock)
 
 
-def serve(args, engine, tokenizer, stops, name) -> int:
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (uvicorn listens on it once the app starts); a port in use or a
+    host that cannot be bound is a :class:`UserError`."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    return sock
+
+
+def serve(args, engine, tokenizer, stops, name, sock: socket.socket | None = None) -> int:
     from peagle_jax.serve.app import ServerState, build_app
     from peagle_jax.serve.metrics import Metrics
     from peagle_jax.serve.worker import EngineWorker
@@ -282,7 +299,7 @@ def serve(args, engine, tokenizer, stops, name) -> int:
     app = build_app(state, lifespan=lifespan)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     server = DrainingServer(config)
-    server.run()
+    server.run(sockets=None if sock is None else [sock])
     return 2 if worker.user_error else 0
 
 
