@@ -192,6 +192,33 @@ def test_a_port_in_use_is_one_error_line_before_anything_loads(server, model_dir
     assert proc.stderr.strip().splitlines() == [want]
 
 
+def test_an_api_key_guards_the_v1_routes(model_dir, tmp_path):
+    import os
+
+    key = "sk-test-" + "k" * 24
+    os.environ["PEAGLE_API_KEY"] = key  # read as the default of --api-key
+    try:
+        proc = ServerProcess(
+            "--model", str(model_dir), "--max-batch", "1", "--max-seq-len", "64", log=tmp_path / "server.log"
+        ).wait()
+    finally:
+        del os.environ["PEAGLE_API_KEY"]
+    try:
+        body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 2})
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+            status, _, raw = http(proc.base, "POST", "/v1/completions", body, headers=headers)
+            assert status == 401 and json.loads(raw)["error"]["code"] == "invalid_api_key", headers
+        assert http(proc.base, "GET", "/v1/models")[0] == 401
+        auth = {"Authorization": f"Bearer {key}"}
+        assert http(proc.base, "POST", "/v1/completions", body, headers=auth)[0] == 200
+        assert http(proc.base, "GET", "/v1/models", headers=auth)[0] == 200
+        for path in ("/health", "/ping", "/metrics"):
+            assert http(proc.base, "GET", path)[0] == 200, path
+    finally:
+        assert proc.stop() == 0
+    assert key not in proc.log.read_text()
+
+
 def test_wrong_method_and_path(server):
     for method, path, code in (("GET", "/v1/completions", 405), ("POST", "/v1/nothing", 404)):
         status, _, raw = http(server.base, method, path)

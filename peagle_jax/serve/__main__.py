@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queue", type=int, default=64, help="requests waiting for a slot before 429 answers (default 64)"
     )
     p.add_argument(
+        "--api-key",
+        default=os.environ.get("PEAGLE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise; /health, /ping, /metrics "
+        "and SageMaker's /invocations stay open); default: $PEAGLE_API_KEY, else no key",
+    )
+    p.add_argument(
         "--max-body-size",
         default="8MiB",
         help="largest request body; a larger one is answered 413 before the rest is read (default 8MiB; "
@@ -158,6 +164,7 @@ def resolve(args) -> argparse.Namespace:
     from peagle_jax.models.tensors import parse_size
 
     args.max_body_size = parse_size(args.max_body_size)
+    args.api_key = args.api_key or None  # an empty key (or $PEAGLE_API_KEY='') means none
     args.drafter = resolve_drafter(args.model, args.drafter, args.k)
     args.tree = default_tree(args.drafter, args.k, args.tree)
     args.adaptive_k = adaptive and args.drafter is not None
@@ -269,7 +276,9 @@ def serve(args, engine, tokenizer, stops, name, sock: socket.socket | None = Non
     worker = EngineWorker(engine, max_queue=args.max_queue, metrics=metrics)
     metrics.queue_depth = lambda: worker.queue_depth
     metrics.active_slots = lambda: engine.active
-    state = ServerState(worker, tokenizer, name, args.max_seq_len, stops, max_body_bytes=args.max_body_size)
+    state = ServerState(
+        worker, tokenizer, name, args.max_seq_len, stops, max_body_bytes=args.max_body_size, api_key=args.api_key
+    )
 
     def progress(done, total):
         if done == total or done % 8 == 0:

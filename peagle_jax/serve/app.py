@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hmac
 import json
 import logging
 import secrets
@@ -43,6 +44,7 @@ class ServerState:
     stop_token_ids: tuple[int, ...]
     retry_after_s: int = 1
     max_body_bytes: int = 8 << 20  # a larger request body is refused with 413 before it is read further
+    api_key: str | None = None  # when set, every /v1 route needs "Authorization: Bearer <api_key>"
 
 
 class TextStream:
@@ -155,6 +157,19 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
             raise APIError(400, str(err)) from None
         return sreq
 
+    def authorize(request: Request) -> None:
+        """With an API key, a /v1 request must carry it as a bearer token (compared in constant time)."""
+        if state.api_key is None or not request.url.path.startswith("/v1/"):
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
+            raise APIError(
+                401,
+                "missing or invalid API key: send the header 'Authorization: Bearer KEY'",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
+
     async def read_body(request: Request) -> bytes:
         """The request body, refused with 413 as soon as it exceeds ``state.max_body_bytes`` (by its
         Content-Length, or while it streams in)."""
@@ -177,6 +192,7 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
 
     async def generate(request: Request, parse, endpoint: str):
         """Serve one request whose body ``parse`` (bytes -> request object) validates."""
+        authorize(request)
         body = await read_body(request)
         # Parsing and tokenization are CPU work: off the event loop, so that /health and streams keep going.
         req = await asyncio.to_thread(parse, body)
@@ -238,6 +254,7 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
         return await generate(request, protocol.parse_invocation, "invocations")
 
     async def models(request: Request):
+        authorize(request)
         created = int(time.time())
         return JSONResponse(
             {
