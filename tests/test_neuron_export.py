@@ -334,4 +334,4 @@ def test_cli_exports_from_a_config_json_with_k_and_an_expert_split(tmp_path, cap
         assert axis in gate_up, gate_up
     assert main([*argv, "--k", "two", "--out", str(tmp_path / "x")]) == 2
     assert main(["export", "--model", str(tmp_path / "missing.json"), "--out", str(tmp_path / "x")]) == 2
-    assert "--k two" in capsys.readouterr().err
+    assert "--k 'two': expected comma-separated integers" in capsys.readouterr().err
