@@ -341,15 +341,18 @@ def test_load_dequantized_errors(tmp_path):
     assert_one_line(err, "x", "scales", "uint8")
 
 
-def test_dequantize_tensors_replaces_pairs():
+def test_the_dequantized_view_replaces_pairs():
+    from peagle_jax.models.tensors import dequantized
+
     rng = np.random.default_rng(12)
     tensors = {"router": np.ones(3, np.float32)}
     for name in ("gate_up_proj", "down_proj"):
         tensors[name + "_blocks"], tensors[name + "_scales"] = random_pair(rng)
     want = mxfp4.dequantize(tensors["down_proj_blocks"], tensors["down_proj_scales"], "bfloat16")
-    assert mxfp4.dequantize_tensors(tensors, "bfloat16") is tensors
-    assert sorted(tensors) == ["down_proj", "gate_up_proj", "router"]
-    np.testing.assert_array_equal(bits(tensors["down_proj"]), bits(want))
+    view = dequantized(tensors, "bfloat16")
+    assert sorted(view) == ["down_proj", "gate_up_proj", "router"]
+    assert view.shape("down_proj") == want.shape and view.dtype("down_proj") == want.dtype
+    np.testing.assert_array_equal(bits(view["down_proj"]), bits(want))
 
 
 # -- transformers' loader -------------------------------------------------------------------------------------

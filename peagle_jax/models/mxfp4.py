@@ -43,7 +43,7 @@ numpy only: no torch and no jax (bfloat16 comes from ``ml_dtypes``).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, MutableMapping
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import ml_dtypes
@@ -58,7 +58,6 @@ __all__ = [
     "MXFP4Error",
     "check_pair",
     "dequantize",
-    "dequantize_tensors",
     "is_mxfp4_name",
     "load_dequantized",
     "mxfp4_pairs",
@@ -350,12 +349,3 @@ class _Info:
 
     def __init__(self, tensor_slice: Any):
         self.shape, self.dtype = tuple(tensor_slice.get_shape()), tensor_slice.get_dtype()
-
-
-def dequantize_tensors(tensors: MutableMapping[str, np.ndarray], dtype: Any = np.float32) -> MutableMapping:
-    """Replace, in place, every MXFP4 pair of a ``{name: array}`` mapping with its dequantized parameter
-    (under the base name), one pair at a time, dropping each pair once converted; returns ``tensors``."""
-    for base, (blocks_name, scales_name) in mxfp4_pairs(tensors).items():
-        tensors[base] = dequantize(tensors[blocks_name], tensors[scales_name], dtype, name=base)
-        del tensors[blocks_name], tensors[scales_name]
-    return tensors
