@@ -91,7 +91,8 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
         self.saw_503 = False
 
-    def wait(self, timeout: float = 300) -> ServerProcess:
+    def wait(self, timeout: float = 600) -> ServerProcess:
+        import signal
         import time
         import urllib.error
         import urllib.request
@@ -109,7 +110,16 @@ class ServerProcess:
             except OSError:
                 pass
             time.sleep(0.1)
-        raise TimeoutError(f"server not ready:\n{self.log.read_text()}")
+        self.proc.send_signal(signal.SIGUSR1)  # the server prints every thread's stack (faulthandler)
+        time.sleep(2)
+        raise TimeoutError(f"server not ready after {timeout} s:\n{self.log.read_text()}")
+
+    def health(self) -> dict:
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
+            return json.loads(r.read())
 
     def stop(self) -> int | None:
         """SIGTERM, then the exit status (None: it had to be killed after 20 s)."""

@@ -116,6 +116,65 @@ def test_plain_slots_equal_generator(models, max_batch, monkeypatch):
     assert engine.overlapped > engine.steps_by_k[0] // 2 and (max_batch == 1 or merges)
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_outputs_do_not_change_while_graphs_come_online(models, adaptive):
+    """A server's start: the engine compiled only the first tasks (admissions and the plain step at the
+    smallest window) and its drafting steps run plain until a shadow engine, on another thread, compiles
+    them into the shared jit caches; requests running across that moment equal plain decoding."""
+    import threading
+
+    params, dparams = models
+    plain = Generator(CFG, params, max_seq_len=MAX_SEQ)
+    gen = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, max_seq_len=MAX_SEQ)
+    engine = SlotEngine(gen, 4, adaptive=adaptive)
+    tasks = engine.warmup_tasks()
+    first, rest = S.first_tasks(tasks, gen.window_buckets[0])
+    assert first and rest and len(first) + len(rest) == len(tasks)
+    assert all(t.rows == 1 and not t.tree.depth for t in first if isinstance(t, S.StepKey))
+    drafting = {t for t in rest if isinstance(t, S.StepKey) and t.tree.depth}
+    assert drafting and all(t in tasks for t in drafting)
+    engine.compiling.update(t for t in rest if isinstance(t, S.StepKey))
+    engine.warmup(tasks=first, calibrate=False)
+
+    reqs = [SlotRequest(p, n, t, k, tp, seed, stops) for p, n, t, k, tp, seed, stops in REQUESTS]
+    out = {r.id: [] for r in reqs}
+    waiting, steps = list(reqs), 0
+
+    def advance():
+        nonlocal steps
+        if waiting and engine.free:
+            ev = engine.admit(waiting.pop(0))
+            out[ev.request.id] += ev.tokens
+        for ev in engine.step():
+            out[ev.request.id] += ev.tokens
+        steps += 1
+        assert steps < 2000
+
+    for _ in range(4):
+        advance()
+    assert set(engine.steps_by_k) == {0}  # nothing drafts before its graphs are compiled
+    shadow = engine.shadow()
+    assert shadow.compiling is engine.compiling and shadow.gen.spec is not gen.spec
+    compiler = threading.Thread(target=shadow.warmup, kwargs=dict(tasks=rest))
+    compiler.start()
+    while compiler.is_alive() and (waiting or engine.active):
+        advance()
+    compiler.join()
+    assert not engine.compiling
+    if adaptive:
+        engine.adopt_times(shadow.policy)
+        advance()
+        assert all(engine.policy._timed(r, k) for r in engine.row_buckets for k in (0, 1, 3))
+    waiting += [SlotRequest(p, n, t, k, tp, seed, stops) for p, n, t, k, tp, seed, stops in REQUESTS[:3]]
+    out.update({r.id: [] for r in waiting})
+    reqs += waiting
+    while waiting or engine.active:
+        advance()
+    assert [out[r.id] for r in reqs] == [_reference(plain, r) for r in REQUESTS + REQUESTS[:3]]
+    if not adaptive:
+        assert engine.steps_by_k.get(3, 0) > 0  # the tree drafts once its graphs are in
+
+
 @pytest.mark.parametrize("speculative", [False, True])
 def test_synchronous_steps_equal_generators(models, speculative):
     """``overlap = False`` (``serve --sync-steps``): every step is read by the call that launched it, outputs

@@ -280,6 +280,7 @@ def main(argv=None) -> int:
         drafter = tempfile.mkdtemp(prefix="peagle-bench-drafter-")
         save_drafter(drafter, dcfg, init_drafter_params(dcfg, jax.random.key(0)))
     common = ["--model", args.model, "--max-batch", str(max(levels)), "--max-seq-len", str(args.max_seq_len)]
+    common += ["--compile", "first"]  # every graph compiled before the clients start: steady-state numbers
     if args.platform:
         common += ["--platform", args.platform]
     if args.dtype:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -114,6 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["float32", "bfloat16"],
         default="float32",
         help="weights/compute dtype (default float32)",
+    )
+    p.add_argument(
+        "--compile",
+        choices=["background", "first"],
+        default="background",
+        help="'background' (default): compile what a short prompt's first request needs, answer /health ready, "
+        "and compile the other graphs on a second thread while serving (meanwhile drafting steps whose graphs "
+        "are not ready run as plain steps, with the same output; the second thread holds a second KV cache); "
+        "'first': compile every graph before /health turns ready",
     )
     p.add_argument(
         "--sync-steps",
@@ -228,6 +238,8 @@ def curl_example(host: str, port: int, name: str) -> str:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if hasattr(signal, "SIGUSR1") and __name__ == "__main__":  # kill -USR1 PID: every thread's stack on stderr
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         args = resolve(args)
         sock = listen_socket(args.host, args.port)  # a taken port is said at once, before anything loads
@@ -275,14 +287,16 @@ def serve(args, engine, tokenizer, stops, name, sock: socket.socket | None = Non
         metrics.policy_step_s = lambda: dict(engine.policy.step_s)  # a copy: the engine thread updates it
     worker = EngineWorker(engine, max_queue=args.max_queue, metrics=metrics)
     metrics.queue_depth = lambda: worker.queue_depth
+    metrics.graphs = lambda: (worker.graphs_compiled, worker.graphs_pending, worker.compile_s)
     metrics.active_slots = lambda: engine.active
     state = ServerState(
         worker, tokenizer, name, args.max_seq_len, stops, max_body_bytes=args.max_body_size, api_key=args.api_key
     )
 
-    def progress(done, total):
+    def progress(phase, done, total):
         if done == total or done % 8 == 0:
-            log.info("compiling graphs: %d/%d", done, total)
+            where = "" if phase == "start" else " in the background"
+            log.info("compiling graphs%s: %d/%d", where, done, total)
 
     async def announce():
         await asyncio.get_running_loop().run_in_executor(None, _wait_ready, worker)
@@ -293,14 +307,15 @@ def serve(args, engine, tokenizer, stops, name, sock: socket.socket | None = Non
         if worker.failed or not worker.ready.is_set():
             log.error("warm-up failed; /health stays 503")
             return
-        print(f"ready: serving {name!r} on http://{args.host}:{args.port} (warm-up {worker.warmup_s:.1f} s)")
+        pending = f", {worker.graphs_pending} more compiling in the background" if worker.graphs_pending else ""
+        print(f"ready: serving {name!r} on http://{args.host}:{args.port} (warm-up {worker.warmup_s:.1f} s{pending})")
         print(f"decoding: {engine.describe()}")
         print(curl_example(args.host, args.port, name), flush=True)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        log.info("compiling graphs on %s:%d (/health answers 503 until done)", args.host, args.port)
-        worker.start(progress=progress)
+        log.info("compiling graphs on %s:%d (/health answers 503 until ready)", args.host, args.port)
+        worker.start(background=args.compile == "background", progress=progress)
         task = asyncio.create_task(announce())
         yield
         task.cancel()

@@ -273,7 +273,7 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
 
     async def health(request: Request):
         if worker.ready.is_set() and worker.alive:
-            return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "ok", "graphs_pending": worker.graphs_pending})
         status = "failed" if worker.failed else "loading"
         return JSONResponse({"status": status}, status_code=503)
 

@@ -28,6 +28,8 @@ class Metrics:
         self.queue_depth: Callable[[], int] = lambda: 0
         self.active_slots: Callable[[], int] = lambda: 0
         self.max_slots = 0
+        # () -> (graphs compiled, graphs still to compile, seconds spent compiling).
+        self.graphs: Callable[[], tuple[int, int, float]] = lambda: (0, 0, 0.0)
         self.spec_stats = None  # a SpecStats, when serving with a drafter
         self.steps_by_k: dict[int, int] | None = None  # speculative steps at each K (the engine's dict)
         self.lazy_drafter: Callable[[], tuple[int, int]] | None = None  # (unsynced admissions, re-seeds)
@@ -99,6 +101,16 @@ class Metrics:
         family("queue_depth", "gauge", "Requests waiting for a free slot.", [("", {}, self.queue_depth())])
         family("active_slots", "gauge", "Slots holding a request.", [("", {}, self.active_slots())])
         family("max_slots", "gauge", "Slots (--max-batch).", [("", {}, self.max_slots)])
+        compiled, pending, compile_s = self.graphs()
+        family("graphs_compiled", "gauge", "Warm-up graphs compiled so far.", [("", {}, compiled)])
+        family(
+            "graphs_pending",
+            "gauge",
+            "Warm-up graphs still to compile (in the background once /health is ready; --compile).",
+            [("", {}, pending)],
+        )
+        seconds = [("", {}, f"{compile_s:.3f}")]
+        family("compile_seconds", "gauge", "Seconds spent compiling the warm-up graphs so far.", seconds)
         spec = self.spec_stats
         if spec is not None:
             forwards = spec.target_forwards

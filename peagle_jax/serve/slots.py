@@ -26,12 +26,21 @@ Sampling parameters and seeds are per-slot arrays, and a row's tokens depend onl
 parameters and seed (rows never attend across the batch; sampling uniforms hash the row's seed and
 position), so a request's output is the same whatever the other slots hold. The graphs compile once per
 (row bucket, window bucket, step length; all-greedy or not where graphs cannot branch: see
-:func:`peagle_jax.sampling.greedy_graph`) and prefill bucket; :meth:`SlotEngine.warmup` compiles them all up front,
-after which requests coming and going never compile.
+:func:`peagle_jax.sampling.greedy_graph`) and prefill bucket; :meth:`SlotEngine.warmup` compiles them (all of
+them, or a list of :meth:`SlotEngine.warmup_tasks`), after which requests coming and going never compile.
+
+Compiling while serving. The server compiles the first tasks (:func:`first_tasks`: what a short prompt's
+first request needs) before it serves and the rest in the background, on a :meth:`SlotEngine.shadow`: an
+engine of the same shapes with its own caches, whose warm-up steps compile into the same jit caches while
+this engine serves. Until a drafting step's graphs are compiled (:attr:`SlotEngine.compiling`), a step that
+would draft runs a plain step instead; outputs do not change (every step length commits the tokens of plain
+decoding), only the speed. A plain step or a prefill whose graph is not compiled yet compiles when first
+called. The shadow's calibrated step times reach the adaptive policy through :meth:`SlotEngine.adopt_times`.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import itertools
@@ -43,15 +52,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from peagle_jax.drafter.model import new_drafter_cache
-from peagle_jax.engine.generator import Generator, RequestError, decode_step, sample_jit
+from peagle_jax.engine.generator import Generator, RequestError, StepStats, decode_step, sample_jit
 from peagle_jax.engine.overlap import Launched, launch_then_read
 from peagle_jax.models import model
 from peagle_jax.platform import MapBudget
 from peagle_jax.sampling import SamplingParams, check_sampling_args, greedy_graph, greedy_modes
-from peagle_jax.spec.adaptive import CALIBRATION_STEPS, adaptive_policy
+from peagle_jax.spec.adaptive import CALIBRATION_STEPS, AdaptiveK, adaptive_policy
 from peagle_jax.spec.generator import SpeculativeGenerator
-from peagle_jax.spec.plan import serving_trees, step_keys
-from peagle_jax.spec.state import SpecState, host_copy
+from peagle_jax.spec.plan import StepKey, serving_trees, step_keys
+from peagle_jax.spec.state import SpecState, SpecStats, host_copy
 from peagle_jax.spec.tree import Tree, chain
 
 _ids = itertools.count(1)
@@ -93,6 +102,30 @@ class _Slot:
         return len(self.tokens)
 
 
+@dataclasses.dataclass(frozen=True)
+class Admit:
+    """A warm-up task: admitting a prompt of ``length`` tokens (its prefill chunks and the first-token
+    sampler, greedy or sampling by ``temperature``)."""
+
+    length: int
+    temperature: float = 0.0
+
+
+WarmTask = Admit | StepKey
+
+
+def first_tasks(tasks: Sequence[WarmTask], smallest_window: int) -> tuple[list[WarmTask], list[WarmTask]]:
+    """Split an ordered :meth:`SlotEngine.warmup_tasks` list into what a server compiles before it serves (the
+    admissions of prompts within the smallest window and the plain step over one row there) and the rest."""
+
+    def first(task: WarmTask) -> bool:
+        if isinstance(task, Admit):
+            return task.length <= smallest_window
+        return task.rows == 1 and task.window == smallest_window and not task.tree.depth
+
+    return [t for t in tasks if first(t)], [t for t in tasks if not first(t)]
+
+
 @jax.jit
 def merge_roots(fresh_R, host_R, device_R):
     """The tokens a plain step feeds: the host's for the ``fresh`` rows (admitted since the last launch),
@@ -129,7 +162,12 @@ class SlotEngine:
         if max_batch < 1:
             raise RequestError(f"max_batch must be >= 1, got {max_batch}")
         self.gen, self.B = gen, max_batch
+        self._load_k, self._adaptive = tuple(load_k), adaptive
         self.speculative = isinstance(gen, SpeculativeGenerator)
+        # The drafting steps whose graphs still compile in the background (see the module docstring): a
+        # step that would run one runs a plain step instead. Another thread removes keys as they compile.
+        self.compiling: set[StepKey] = set()
+        self._times: AdaptiveK | None = None  # step times calibrated elsewhere, adopted on the next step
         self.load_trees: list[tuple[int, Tree]] = []
         if (load_k or adaptive) and not self.speculative:
             raise RequestError("a smaller K under load needs a drafter")
@@ -368,6 +406,9 @@ class SlotEngine:
         previous one (with :attr:`overlap`; the first of a run is launched and read by the same call), so a
         request admitted since the last call gains its first step's token at the next call. ``tree``
         overrides the policy and runs synchronously (a plain step for ``chain(0)``)."""
+        times, self._times = self._times, None
+        if times is not None and self.policy is not None:
+            self.policy.adopt(times)
         launched, self._launched = self._launched, None
         if launched is not None and not self._valid(launched).any():
             launched = None  # its rows all ended or left: nothing to read
@@ -413,17 +454,32 @@ class SlotEngine:
 
     def _choose(self, R: int) -> Tree:
         """The tree of the next step over R rows (depth 0: a plain step); a choice made while the last plain
-        step ran (and not launched) is used first."""
+        step ran (and not launched) is used first. A drafting tree whose graphs are still compiling in the
+        background (:attr:`compiling`) gives way to a plain step."""
         chosen, self._chosen = self._chosen, None
         if chosen is not None and chosen[0] == R:
-            return chosen[1]
-        if not self.speculative:
+            tree = chosen[1]
+        elif not self.speculative:
             return chain(0)
-        if self.policy is not None:
+        elif self.policy is not None:
             busy = [b for b in range(R) if self.slots[b] is not None]
             synced = float(np.mean(self.state.synced[busy])) if busy else 1.0
-            return self.gen.choices[self.policy.choose(R, synced)]
-        return self.tree_for(self.active) or self.gen.tree
+            tree = self.gen.choices[self.policy.choose(R, synced)]
+        else:
+            tree = self.tree_for(self.active) or self.gen.tree
+        return chain(0) if tree.depth and self.compiling and self._step_key(R, tree) in self.compiling else tree
+
+    def _step_key(self, R: int, tree: Tree) -> StepKey:
+        """The key of a step of ``tree`` over the first R rows now (:func:`peagle_jax.spec.plan.step_keys`)."""
+        live = np.array([s is not None for s in self.slots[:R]])
+        q = self.state.q[:R][live]
+        window = self.gen.window(int(q.max(initial=0)) + tree.size + 1)
+        return StepKey(R, tree, window, greedy_graph(self.temperature[:R][live]))
+
+    def adopt_times(self, calibrated: AdaptiveK) -> None:
+        """Hand over step times calibrated by another engine (the background warm-up's :meth:`shadow`); this
+        engine's thread adopts those it has not measured itself at its next step. Thread-safe."""
+        self._times = calibrated
 
     def _lazy(self, R: int) -> bool:
         """Whether plain steps over R rows leave the drafter behind (see :attr:`lazy`): drafting does not pay."""
@@ -514,12 +570,12 @@ class SlotEngine:
 
     # -- compilation -------------------------------------------------------------------------------------
 
-    def warmup(self, progress=None) -> float:
-        """Compile every graph a request can reach: the 1-row prefill of each length bucket, the first-token
-        sampler, the slot copy, and the step graphs of every attention window (greedy and sampling:
-        :func:`peagle_jax.sampling.greedy_modes`).
-        ``progress(done, total)`` is called as it goes. Returns the seconds spent."""
-        t0 = time.perf_counter()
+    def warmup_tasks(self) -> list[WarmTask]:
+        """Every graph a request can reach, as warm-up tasks in the order requests are likely to need them
+        (small windows, few rows and plain steps first): the 1-row admission of each prefill length bucket
+        (greedy; where the first-token sampler has a sampling variant, one sampled admission too) and the
+        step of every (row bucket, step tree, attention window, sampling mode: see
+        :func:`peagle_jax.sampling.greedy_modes`)."""
         gen = self.gen
         chunk = gen.prefill_buckets[-1]
         starts = range(0, gen.max_seq_len - 1, chunk)
@@ -529,15 +585,28 @@ class SlotEngine:
             adaptive=self.policy is not None,
             load_trees=[t for _, t in self.load_trees],
         )
-        # Greedy and sampling batches: one graph each where graphs cannot branch, else one for both
-        # (sampling.greedy_graph). Each prefill bucket once (greedy); where the first-token sampler has a
-        # sampling variant, it once (it does not depend on the prompt length).
         keys = step_keys(self.row_buckets, trees, gen.window_buckets, greedy_modes())
-        admits = [(n, 0.0) for n in lengths] + [(lengths[0], 1.0)] * (len(greedy_modes()) - 1)
-        graphs = len(admits) + len(keys)
-        calibration = len(self.row_buckets) * len(gen.choices) * CALIBRATION_STEPS if self.policy else 0
-        total = graphs + calibration  # the calibration's timed steps compile nothing: not in the budget
-        budget = MapBudget(graphs, f"{self.B} slots x {gen.max_seq_len} tokens ({self.describe()})")
+        admits = [Admit(n) for n in lengths] + [Admit(lengths[0], 1.0)] * (len(greedy_modes()) - 1)
+
+        def order(task: WarmTask):
+            if isinstance(task, Admit):
+                return gen.window(task.length), 1, 0, task.temperature > 0
+            return task.window, task.rows, task.tree.depth > 0, not task.greedy_only
+
+        return sorted([*admits, *keys], key=order)  # stable: admissions by length, keys as step_keys lists them
+
+    def warmup(self, progress=None, tasks: Sequence[WarmTask] | None = None, *, calibrate: bool = True) -> float:
+        """Compile ``tasks`` (default every :meth:`warmup_tasks`) and the small graphs around them (the slot
+        copy, the root merge of an overlapped plain step); with the adaptive policy and ``calibrate``, then
+        time every step length at every row bucket (:meth:`AdaptiveK.calibrate_all`). A step key leaves
+        :attr:`compiling` once compiled. ``progress(done, total)`` is called as it goes. Returns the seconds
+        spent."""
+        t0 = time.perf_counter()
+        gen = self.gen
+        tasks = self.warmup_tasks() if tasks is None else list(tasks)
+        calibration = len(self.row_buckets) * len(gen.choices) * CALIBRATION_STEPS if self.policy and calibrate else 0
+        total = len(tasks) + calibration  # the calibration's timed steps compile nothing: not in the budget
+        budget = MapBudget(len(tasks), f"{self.B} slots x {gen.max_seq_len} tokens ({self.describe()})")
         done = 0
         # Every row keeps its drafter current meanwhile, so that the flushes compile too (a warm-up that
         # fails leaves the engine unserved: the worker reports it and takes no request).
@@ -546,24 +615,24 @@ class SlotEngine:
         def advance():
             nonlocal done
             done += 1
-            if done <= graphs:
+            if done <= len(tasks):
                 budget.check(done)
             if progress:
                 progress(done, total)
 
-        for n, t in admits:
-            ev = self.admit(SlotRequest([0] * n, 1, temperature=t, stop_token_ids=[]))
-            assert ev.finish_reason == "length"
-            advance()
-        # Step graphs: one live row (the last of the row bucket) placed so that the step's window is the key's.
-        for key in keys:
-            self._warm_step(key.window, 0.0 if key.greedy_only else 1.0, key.tree, slot=key.rows - 1)
-            advance()
         for rows in self.row_buckets:  # the root merge of an overlapped plain step (admissions since its launch)
             merge_roots(*(jnp.zeros(rows, dt) for dt in (bool, np.int32, np.int32)))
+        for task in tasks:
+            if isinstance(task, Admit):
+                ev = self.admit(SlotRequest([0] * task.length, 1, temperature=task.temperature, stop_token_ids=[]))
+                assert ev.finish_reason == "length"
+            else:  # one live row (the last of the row bucket) placed so that the step's window is the key's
+                self._warm_step(task.window, 0.0 if task.greedy_only else 1.0, task.tree, slot=task.rows - 1)
+                self.compiling.discard(task)
+            advance()
         if self.policy is not None:  # the steps above compiled: their times and acceptance mean nothing
             self.policy = adaptive_policy(gen.tree)
-            for rows in self.row_buckets:
+            for rows in self.row_buckets if calibrate else ():
                 self.policy.calibrate_all(rows, lambda k, r=rows: self._time_step(gen.choices[k], slot=r - 1), advance)
         if self.speculative:
             gen.spec.reset()  # in place: the server's /metrics reads this object
@@ -572,6 +641,18 @@ class SlotEngine:
         self.lazy = lazy
         self.reset()
         return time.perf_counter() - t0
+
+    def shadow(self) -> SlotEngine:
+        """An engine of the same shapes and graphs with its own caches, statistics and policy, sharing this
+        one's :attr:`compiling` set: its :meth:`warmup` compiles, on another thread, the graphs this engine
+        then calls without compiling (the jit caches are shared). It holds a second set of caches."""
+        gen = copy.copy(self.gen)
+        gen.stats = StepStats()
+        if self.speculative:
+            gen.spec = SpecStats(accepted_per_position=[0] * gen.K)
+        twin = SlotEngine(gen, self.B, load_k=self._load_k, adaptive=self._adaptive)
+        twin.overlap, twin.compiling = self.overlap, self.compiling
+        return twin
 
     def _time_step(self, tree: Tree, slot: int) -> float:
         """Seconds of one compiled greedy step drafting ``tree`` (depth 0: a plain step) with one busy slot

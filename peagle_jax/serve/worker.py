@@ -8,6 +8,11 @@ the free slots, :meth:`submit` raises :class:`QueueFull` at once (the server ans
 
 The thread never dies on a request: a failure while admitting one request ends that request with an error
 event; a failure inside a step ends every active request with an error and starts over with fresh caches.
+
+With ``background`` compilation (the server's default) the engine thread compiles only the first graphs
+(:func:`peagle_jax.serve.slots.first_tasks`) before :attr:`EngineWorker.ready` is set; a second thread then
+compiles the rest on the engine's :meth:`~peagle_jax.serve.slots.SlotEngine.shadow` while requests are
+served (:attr:`EngineWorker.graphs_pending` counts down).
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from collections.abc import Callable
 from peagle_jax.engine.generator import RequestError
 from peagle_jax.errors import UserError
 from peagle_jax.serve.metrics import Metrics
-from peagle_jax.serve.slots import SlotEngine, SlotEvent, SlotRequest
+from peagle_jax.serve.slots import SlotEngine, SlotEvent, SlotRequest, first_tasks
+from peagle_jax.spec.plan import StepKey
 
 log = logging.getLogger("peagle_jax.serve")
 
@@ -57,7 +63,11 @@ class EngineWorker:
         self.ready = threading.Event()  # set once the graphs are compiled
         self.failed: str | None = None  # set if the warm-up itself failed
         self.user_error = False  # ... with a UserError (then the server exits with its message)
-        self.warmup_s = 0.0
+        self.warmup_s = 0.0  # until ready
+        self.graphs_total = self.graphs_compiled = 0  # warm-up tasks (graphs) in all, and done so far
+        self._compile_s = 0.0  # seconds of the compile phases done
+        self._compiling_since: float | None = None  # when the running compile phase started
+        self.background_failed: str | None = None  # why background compilation stopped early
         self._thread = threading.Thread(target=self._run, name="peagle-engine", daemon=True)
 
     @property
@@ -68,8 +78,22 @@ class EngineWorker:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def start(self, *, warmup: bool = True, progress=None) -> None:
-        self._warm, self._progress = warmup, progress
+    @property
+    def compile_s(self) -> float:
+        """Seconds spent compiling so far (before ready, then in the background)."""
+        since = self._compiling_since
+        return self._compile_s + (time.perf_counter() - since if since is not None else 0.0)
+
+    @property
+    def graphs_pending(self) -> int:
+        """Graphs still to compile (in the background once ready)."""
+        return self.graphs_total - self.graphs_compiled
+
+    def start(self, *, warmup: bool = True, background: bool = False, progress=None) -> None:
+        """Start the engine thread: compile every graph first (``warmup``), or with ``background`` only the
+        first ones and the rest on another thread while serving. ``progress(phase, done, total)``: ``phase``
+        is "start" (before ready) or "background"; ``done`` and ``total`` count that phase's graphs."""
+        self._warm, self._background, self._progress = warmup, background, progress
         self._thread.start()
 
     def submit(self, req: SlotRequest, deliver: Deliver) -> None:
@@ -89,8 +113,14 @@ class EngineWorker:
 
     def _run(self) -> None:
         if self._warm:
+            tasks = self.engine.warmup_tasks()
+            first, rest = first_tasks(tasks, self.engine.gen.window_buckets[0]) if self._background else (tasks, [])
+            self.graphs_total = len(tasks)
+            self.engine.compiling.update(t for t in rest if isinstance(t, StepKey))
+            self._compiling_since = time.perf_counter()
             try:
-                self.warmup_s = self.engine.warmup(progress=self._progress)
+                progress = self._counter("start", len(first))
+                self.warmup_s = self.engine.warmup(progress=progress, tasks=first, calibrate=not rest)
             except UserError as err:  # e.g. too many graphs for this machine: the message says what to do
                 self.failed, self.user_error = str(err), True
                 log.error("warm-up failed: %s", err)
@@ -99,6 +129,11 @@ class EngineWorker:
                 self.failed = traceback.format_exc()
                 log.error("warm-up failed:\n%s", self.failed)
                 return
+            finally:
+                self._compile_s, self._compiling_since = self.compile_s, None
+            if rest:
+                self._compiling_since = time.perf_counter()
+                threading.Thread(target=self._compile, args=(rest,), name="peagle-compile", daemon=True).start()
         self.ready.set()
         while True:
             idle = not self._waiting and self.engine.active == 0
@@ -110,6 +145,38 @@ class EngineWorker:
                     self._queued -= 1
             if self.engine.active:
                 self._step()
+
+    def _counter(self, phase: str, graphs: int):
+        """A warm-up progress callback counting compiled graphs (the calibration's timed steps after them
+        compile nothing) and passing (phase, done, total) on."""
+        base = self.graphs_compiled
+
+        def progress(done, total):
+            self.graphs_compiled = base + min(done, graphs)
+            if self._progress:
+                self._progress(phase, done, total)
+
+        return progress
+
+    def _compile(self, rest) -> None:
+        """The background thread: compile ``rest`` on a shadow engine, then hand its calibrated step times
+        to the serving engine. A failure is logged; the steps whose graphs are missing then run plain (a
+        drafting step) or compile when first called (a plain step, a prefill)."""
+        t0 = self._compiling_since
+        try:
+            shadow = self.engine.shadow()
+            shadow.warmup(progress=self._counter("background", len(rest)), tasks=rest)
+            if shadow.policy is not None:
+                self.engine.adopt_times(shadow.policy)
+            log.info("background compilation done: %d graphs in %.1f s", len(rest), time.perf_counter() - t0)
+        except UserError as err:
+            self.background_failed = str(err)
+            log.error("background compilation stopped: %s", err)
+        except Exception:  # noqa: BLE001 - the server goes on with the graphs it has
+            self.background_failed = traceback.format_exc()
+            log.error("background compilation failed:\n%s", self.background_failed)
+        finally:
+            self._compile_s, self._compiling_since = self.compile_s, None
 
     def _drain(self, block: bool) -> None:
         try:

@@ -227,6 +227,13 @@ class AdaptiveK:
         self.seen[key] = max(self.seen.get(key, 0), self.min_samples + 1)
         self.last_timed[key] = self.steps
 
+    def adopt(self, other: AdaptiveK) -> None:
+        """Take ``other``'s step times (calibrated elsewhere: the server's background warm-up) for every
+        (rows, K') this policy has not timed itself."""
+        for (rows, k), seconds in other.step_s.items():
+            if k in self.candidates and other._timed(rows, k) and not self._timed(rows, k):
+                self.calibrate(rows, k, [seconds])
+
     def calibrate_all(self, rows: int, time_step: Callable[[int], float], each: Callable[[], None] | None = None):
         """Calibrate every candidate at ``rows``: ``CALIBRATION_STEPS`` steps each, timed by ``time_step(k)``
         (seconds), the candidates taking turns; each one's first step is dropped (a cold cache) and the
