@@ -39,6 +39,7 @@ COMMANDS: list[tuple[str, str, str]] = [
             "sampling",
             "serve",
             "spec",
+            "startup",
             "steps",
             "train",
             "trees",

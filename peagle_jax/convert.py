@@ -35,7 +35,7 @@ from peagle_jax.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from peagle_jax.errors import UserError
+from peagle_jax.errors import ArgumentParser, UserError, check_output_dir, report
 from peagle_jax.models.config import read_config_json
 
 LAYOUT_CHOICES = ("speculators", "eagle")
@@ -115,10 +115,37 @@ def _check_paths(src: Path, dst: Path, force: bool) -> None:
         raise UserError(f"{src}: no such directory")
     if dst.exists() and not dst.is_dir():
         raise UserError(f"{dst} exists and is not a directory")
+    check_output_dir(dst, "DST")
     if dst.exists() and dst.resolve() == src.resolve():
         raise UserError(f"SRC and DST are the same directory ({src})")
     if dst.is_dir() and any(dst.iterdir()) and not force:
         raise UserError(f"{dst} is not empty; pass --force to overwrite it")
+
+
+def _source_kind(src: Path) -> tuple[str, str]:
+    """(kind, layout) of ``src`` from its config alone, before any weight is read: a flag that does not
+    apply is refused at once."""
+    from peagle_jax.checkpoint import read_meta
+    from peagle_jax.drafter.config import drafter_config_from_dict
+
+    if is_jax_checkpoint(src):
+        meta = read_meta(src)
+        return meta.kind, meta.layout
+    config = read_config_json(src)
+    if detect_kind(config) == "target":
+        return "target", "hf"
+    return "drafter", drafter_config_from_dict(config)[1]
+
+
+def _check_flags(src: Path, layout: str | None, verifier: str | None) -> None:
+    """The checks of :func:`torch_tensors` and :func:`_with_overrides` that need only the config."""
+    if layout is None and verifier is None:
+        return
+    kind, src_layout = _source_kind(src)
+    if kind == "target" and layout is not None:
+        raise UserError(f"--layout {layout} applies to drafters; this is a target model")
+    if verifier is not None and (kind != "drafter" or (layout or src_layout) != "speculators"):
+        raise UserError("--verifier applies to drafters written in the speculators layout")
 
 
 def _clear(dst: Path) -> None:
@@ -173,8 +200,12 @@ def to_torch(
         raise UserError(f"--layout must be one of {', '.join(LAYOUT_CHOICES)}, got {layout!r}")
     if dtype is not None and dtype not in FLOAT_DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(FLOAT_DTYPES)}, got {dtype!r}")
-    shard_bytes = None if max_shard_size is None else parse_size(max_shard_size)
+    try:
+        shard_bytes = None if max_shard_size is None else parse_size(max_shard_size)
+    except UserError as err:
+        raise UserError(f"--max-shard-size: {err}") from None
     _check_paths(src, dst, force)
+    _check_flags(src, layout, verifier)
     meta, params = read_source(src)
     if dtype is not None:
         cast = {name: dtype if d in FLOAT_DTYPES else d for name, d in meta.tensors.items()}
@@ -206,7 +237,7 @@ def _with_overrides(config: dict, dtype: str | None, verifier: str | None, kind:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m peagle_jax.convert",
         description="Convert drafter (speculators / EAGLE layout) and target (Hugging Face) checkpoints "
         "between PyTorch safetensors and JAX (orbax) directories, losslessly.",
@@ -261,8 +292,7 @@ def main(argv=None) -> int:
             )
             what = f"{len(files)} safetensors file{'s' if len(files) > 1 else ''}"
     except (UserError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return report(err)
     print(f"wrote {what} to {args.dst}")
     return 0
 

@@ -16,6 +16,7 @@ import json
 import sys
 import time
 
+from peagle_jax import errors
 from peagle_jax.drafter.shipped import DEFAULT_FOR_MODEL, check_speculation_flags, default_tree, resolve_drafter
 from peagle_jax.errors import UserError, comma_ints
 from peagle_jax.loading import (
@@ -29,7 +30,7 @@ from peagle_jax.loading import (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = errors.ArgumentParser(
         prog="python -m peagle_jax.generate",
         description="Generate with a Llama/Qwen target model in JAX, plainly or with P-EAGLE / EAGLE-3 "
         "speculative decoding (--drafter).",

@@ -14,6 +14,8 @@ import argparse
 import json
 import sys
 
+from peagle_jax import errors
+
 FORMS = ("q @ K^T", "K @ q^T", "bf16 kernel")
 
 
@@ -54,7 +56,7 @@ def measure(cfg, window: int, queries: int, rounds: int) -> dict[str, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.attention", description=__doc__.split("\n")[0])
+    p = errors.ArgumentParser(prog="python -m peagle_jax.bench.attention", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
     p.add_argument("--windows", default="256,1024,2048", help="attention windows W (cache slots), comma-separated")
     p.add_argument("--queries", default="1,8", help="new tokens T per step (1: decode; K'+1 or tree nodes + 1: verify)")

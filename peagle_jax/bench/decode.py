@@ -22,6 +22,8 @@ import time
 import jax
 import jax.numpy as jnp
 
+from peagle_jax import errors
+
 PROMPT = "Explain in a few paragraphs how a CPU cache works and why it matters for performance."
 
 
@@ -66,7 +68,7 @@ def run_transformers(hf, prompt_ids, n):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.decode", description=__doc__.split("\n")[0])
+    p = errors.ArgumentParser(prog="python -m peagle_jax.bench.decode", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="model directory or 'smollm2' (default)")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run (default 64)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians are reported (default 5)")

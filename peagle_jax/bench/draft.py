@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from peagle_jax import errors
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.draft import fused_mask_hidden, parallel_draft, sequential_draft
 from peagle_jax.drafter.model import init_drafter_params, new_drafter_cache
@@ -46,7 +47,7 @@ def smollm2_sized_drafter(layers: int = 2, draft_vocab: int = 49152) -> DrafterC
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.draft", description=__doc__.split("\n")[0])
+    p = errors.ArgumentParser(prog="python -m peagle_jax.bench.draft", description=__doc__.split("\n")[0])
     p.add_argument("--max-k", type=int, default=8, help="largest K measured (default 8)")
     p.add_argument("--layers", type=int, default=2, help="drafter layers (default 2)")
     p.add_argument(

@@ -19,6 +19,8 @@ import statistics
 import sys
 import time
 
+from peagle_jax import errors
+
 
 def _matrices(params) -> list:
     """Every weight matrix of the target's products as ``[out, in]`` (heads flattened): the projections and
@@ -106,7 +108,7 @@ def load_model(model: str, dtype: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.linear", description=__doc__.split("\n")[0])
+    p = errors.ArgumentParser(prog="python -m peagle_jax.bench.linear", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
     p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256", help="row counts M, comma-separated")
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds per row count (default 15)")

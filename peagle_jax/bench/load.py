@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from peagle_jax import errors
+
 CONFIG = Path(__file__).resolve().parents[2] / "neuron" / "configs" / "gpt-oss-20b.json"
 MIB = 2**20
 
@@ -119,7 +121,7 @@ def per_layer(result: dict) -> list[dict]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.load", description=__doc__.split("\n")[0])
+    p = errors.ArgumentParser(prog="python -m peagle_jax.bench.load", description=__doc__.split("\n")[0])
     p.add_argument(
         "--layers", type=int, default=2, help="decoder layers of the gpt-oss-20b-shaped checkpoint (default 2)"
     )

@@ -21,6 +21,8 @@ import math
 import re
 import sys
 
+from peagle_jax import errors
+
 DISPATCHES = ("dense", "gather")
 PRESETS = {
     "gpt-oss-20b": dict(family="gpt_oss", hidden=2880, expert_width=2880, experts=32, top_k=4),
@@ -180,7 +182,7 @@ def measure(spec: Spec, params, tokens: int, dtype: str, rounds: int, max_temp: 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.moe", description=__doc__.split("\n")[0])
+    p = errors.ArgumentParser(prog="python -m peagle_jax.bench.moe", description=__doc__.split("\n")[0])
     p.add_argument(
         "--models",
         default="gpt-oss-20b,qwen3-30b-a3b",

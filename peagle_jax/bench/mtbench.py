@@ -34,6 +34,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from peagle_jax import errors
 from peagle_jax.errors import UserError
 
 
@@ -433,7 +434,7 @@ def default_drafters(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m peagle_jax.bench", description=__doc__.split("\n")[0])
+    p = errors.ArgumentParser(prog="python -m peagle_jax.bench", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
     p.add_argument(
         "--drafter", help="P-EAGLE drafter directory (default: the shipped smollm2-peagle for --model smollm2)"

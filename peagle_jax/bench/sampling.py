@@ -15,6 +15,8 @@ import contextlib
 import json
 import sys
 
+from peagle_jax import errors
+
 
 def compiled(rows: int, vocab: int, top_p: float, static: bool):
     """``(sample, args)``: the sampler compiled for ``rows`` x ``vocab`` logits at temperature 0.8 and
@@ -47,7 +49,7 @@ def measure(rows: int, vocab: int, top_p: float, rounds: int) -> dict[str, float
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.sampling", description=__doc__.split("\n")[0])
+    p = errors.ArgumentParser(prog="python -m peagle_jax.bench.sampling", description=__doc__.split("\n")[0])
     p.add_argument("--rows", default="1,8,64", help="logit rows per call, comma-separated (default 1,8,64)")
     p.add_argument("--vocab", type=int, default=49152, help="vocabulary size (default 49152, SmolLM2's)")
     p.add_argument("--top-p", default="1.0,0.9", help="top_p values, comma-separated (default 1.0,0.9)")

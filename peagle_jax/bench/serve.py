@@ -32,6 +32,8 @@ import threading
 import time
 from pathlib import Path
 
+from peagle_jax import errors
+
 PROMPTS = [
     "Explain how a CPU cache works.",
     "Write a short story about a lighthouse keeper.",
@@ -199,7 +201,7 @@ def policy_step_ms(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.serve", description=__doc__.split("\n")[0])
+    p = errors.ArgumentParser(prog="python -m peagle_jax.bench.serve", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
     p.add_argument(
         "--drafter",

@@ -18,11 +18,13 @@ import tempfile
 
 import jax
 
+from peagle_jax import errors
+
 PROMPT = "Explain in a few paragraphs how a CPU cache works and why it matters for performance."
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.spec", description=__doc__.split("\n")[0])
+    p = errors.ArgumentParser(prog="python -m peagle_jax.bench.spec", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
     p.add_argument("--drafter", help="drafter directory (default: a random SmolLM2-sized P-EAGLE drafter)")
     p.add_argument("--max-k", type=int, default=8, help="largest K (default 8)")

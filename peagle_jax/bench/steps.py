@@ -18,6 +18,8 @@ import statistics
 import sys
 import time
 
+from peagle_jax import errors
+
 PROMPT = "Explain in a few paragraphs how a CPU cache works and why it matters for performance."
 
 
@@ -86,7 +88,7 @@ def measure(plain_gen, spec_gen, prompt, rows: int, steps: int, progress=None) -
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.steps", description=__doc__.split("\n")[0])
+    p = errors.ArgumentParser(prog="python -m peagle_jax.bench.steps", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
     p.add_argument("--drafter", help="drafter directory (default: the shipped drafter of the model)")
     p.add_argument(

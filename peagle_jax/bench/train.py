@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from peagle_jax import errors
 from peagle_jax.bench.draft import smollm2_sized_drafter
 from peagle_jax.drafter.model import init_drafter_params
 from peagle_jax.train.cod import cod_batch, max_elements
@@ -160,7 +161,7 @@ def memory(args) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.train", description=__doc__.split("\n")[0])
+    p = errors.ArgumentParser(prog="python -m peagle_jax.bench.train", description=__doc__.split("\n")[0])
     p.add_argument("--batch-size", type=int, default=2, help="rows per step (default 2)")
     p.add_argument("--seq-len", type=int, default=256, help="positions per row for throughput (default 256)")
     p.add_argument("--num-depths", type=int, default=8, help="K_train (default 8)")

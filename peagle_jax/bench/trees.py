@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from peagle_jax import errors
 from peagle_jax.errors import UserError
 
 RankPath = tuple[int, ...]  # per-depth candidate ranks from the root, e.g. (1, 0) = "10"
@@ -238,7 +239,7 @@ def grow(items, budgets: Sequence[int], *, K: int, width: int, **kw) -> dict[int
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m peagle_jax.bench.trees", description=__doc__.split("\n")[0])
+    p = errors.ArgumentParser(prog="python -m peagle_jax.bench.trees", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
     p.add_argument("--drafter", help="P-EAGLE drafter directory (default: the shipped drafter of --model smollm2)")
     p.add_argument("--questions", type=int, default=0, help="use the first N MT-Bench questions (default all 80)")

@@ -14,15 +14,16 @@ Examples::
 
 from __future__ import annotations
 
-import argparse
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
-from peagle_jax.errors import UserError, comma_ints, comma_list
+from peagle_jax.errors import ArgumentParser, UserError, check_output_dir, comma_ints, comma_list, report
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m peagle_jax.neuron", description=__doc__.split("\n")[0])
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m peagle_jax.neuron", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="export every graph with jax.export for neuron and tpu, and lint it")
     e.add_argument(
@@ -41,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--k", help="draft lengths K, comma-separated, instead of the buckets' k_values")
     e.add_argument("--out", required=True, help="output directory")
     e.add_argument(
-        "--platforms", default="neuron,tpu", help="comma-separated jax.export platforms (default neuron,tpu)"
+        "--platforms",
+        default="neuron,tpu",
+        help="comma-separated platforms to export for: neuron, tpu (default neuron,tpu)",
     )
     e.add_argument("--no-write", action="store_true", help="lint only; write nothing but the manifest")
     e.add_argument(
@@ -68,33 +71,43 @@ def run_export(args) -> int:
     from tqdm import tqdm
 
     from peagle_jax.neuron.buckets import load_buckets
-    from peagle_jax.neuron.export import export_all
+    from peagle_jax.neuron.export import PLATFORMS, export_all
     from peagle_jax.neuron.graphs import all_graphs
 
     overrides = {}
     if args.k is not None:
         overrides["k_values"] = tuple(comma_ints(args.k, "--k", "3,7"))
-    buckets = load_buckets(args.buckets, **overrides)
+        if min(overrides["k_values"]) < 1:
+            raise UserError(f"--k {args.k!r}: every K must be >= 1")
     platforms = tuple(comma_list(args.platforms, "--platforms", "neuron,tpu"))
+    unknown = [p for p in platforms if p not in PLATFORMS]
+    if unknown:
+        raise UserError(f"--platforms: unknown platform {unknown[0]!r}; choose from {', '.join(PLATFORMS)}")
+    if args.tp < 1:
+        raise UserError(f"--tp must be >= 1, got {args.tp}")
+    check_output_dir(args.out, "--out")
+    if args.drafter is not None and not Path(args.drafter).is_dir():
+        raise UserError(f"--drafter {args.drafter}: no such directory")
+    buckets = load_buckets(args.buckets, **overrides)
     from peagle_jax.neuron.targets import configs
 
     cfg, dcfg, drafter_note = configs(args.model, args.drafter, buckets.dtype)
-    if args.tp < 1:
-        raise UserError(f"--tp must be >= 1, got {args.tp}")
     graphs = all_graphs(cfg, dcfg, buckets, tp=args.tp, expert_split=args.expert_split)
     print(f"target: {args.model} ({cfg.family}, {cfg.num_layers} layers, vocab {cfg.vocab_size}, {cfg.dtype})")
     print(drafter_note)
     print(f"buckets: {buckets}" + (f"; tensor parallel over {args.tp} devices" if args.tp > 1 else ""))
     print(f"{len(graphs)} graphs x platforms {', '.join(platforms)} (jax {jax.__version__}) -> {args.out}")
     bar = tqdm(total=len(graphs), desc="export + lint", file=sys.stderr)
+    out = Path(args.out)
+    staging = _staging_dir(out)
     try:
-        findings = export_all(
-            graphs, Path(args.out), platforms, write=not args.no_write, progress=lambda _: bar.update()
-        )
+        findings = export_all(graphs, staging, platforms, write=not args.no_write, progress=lambda _: bar.update())
+        _publish(staging, out)
     except ValueError as err:
         raise UserError(f"export failed: {err}") from None
     finally:
         bar.close()
+        shutil.rmtree(staging, ignore_errors=True)
     bad = 0
     for name, per_platform in findings.items():
         for platform, found in per_platform.items():
@@ -110,6 +123,24 @@ def run_export(args) -> int:
     return 0
 
 
+def _staging_dir(out: Path) -> Path:
+    """A fresh directory that the export writes into, on ``out``'s file system (inside ``out`` when it
+    exists, else under its nearest existing ancestor), so that a failed or interrupted export leaves ``out``
+    as it was and a finished one moves its files into place by rename."""
+    parent = out.absolute()
+    while not parent.is_dir():
+        parent = parent.parent
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=parent))
+
+
+def _publish(staging: Path, out: Path) -> None:
+    """Move every file the export wrote from ``staging`` into ``out`` (created), replacing older ones."""
+    for src in sorted(p for p in staging.rglob("*") if p.is_file()):
+        dst = out / src.relative_to(staging)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(src, dst)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -119,8 +150,7 @@ def main(argv=None) -> int:
 
         return run_plan(args)
     except (UserError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return report(err)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ divided by that count.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import jax
 from jax.sharding import PartitionSpec
@@ -342,8 +343,13 @@ def run_plan(args) -> int:
     from peagle_jax.neuron.targets import configs
     from peagle_jax.sharding import check_target_tp
 
-    if args.k < 1 or args.batch < 1 or args.context < 0:
-        raise UserError("--k and --batch must be >= 1 and --context >= 0")
+    for flag, value, least in (("--k", args.k, 1), ("--batch", args.batch, 1), ("--context", args.context, 0)):
+        if value < least:
+            raise UserError(f"{flag} must be >= {least}, got {value}")
+    if not 1 <= args.acceptance_length <= args.k + 1:  # checked before any table row (NaN fails too)
+        raise UserError(f"--acceptance-length must be in 1..K+1 = 1..{args.k + 1}, got {args.acceptance_length}")
+    if args.drafter is not None and not Path(args.drafter).is_dir():
+        raise UserError(f"--drafter {args.drafter}: no such directory")
     cfg, dcfg, note = configs(args.model, args.drafter, args.dtype)
     if args.tp is not None:
         check_target_tp(args.tp, cfg, args.expert_split)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import uvicorn
 
+from peagle_jax import errors
 from peagle_jax.drafter.shipped import DEFAULT_FOR_MODEL, check_speculation_flags, default_tree, resolve_drafter
 from peagle_jax.errors import UserError
 
@@ -33,7 +34,7 @@ SAGEMAKER_PORT_ENV = "SAGEMAKER_BIND_TO_PORT"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = errors.ArgumentParser(
         prog="python -m peagle_jax.serve",
         description="OpenAI-compatible server (completions, chat, streaming, metrics, SageMaker /ping and "
         "/invocations) with continuous batching over fixed slots and optional P-EAGLE speculative decoding.",

@@ -23,6 +23,7 @@ import dataclasses
 import re
 import sys
 
+from peagle_jax import errors
 from peagle_jax.errors import UserError
 
 NAME = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")  # SageMaker resource names
@@ -104,7 +105,7 @@ def delete(name: str, client=None, region: str | None = None) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="serve/deploy.py", description="Deploy peagle_jax.serve to SageMaker.")
+    p = errors.ArgumentParser(prog="serve/deploy.py", description="Deploy peagle_jax.serve to SageMaker.")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("create", help="create model, endpoint config and endpoint")
     c.add_argument("--name", required=True, help="endpoint name (also used for the model and endpoint config)")

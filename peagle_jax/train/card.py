@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from peagle_jax import errors
 from peagle_jax.errors import UserError
 from peagle_jax.train.regen import read_shards
 
@@ -174,7 +175,7 @@ def card(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m peagle_jax.train.card", description=__doc__.split("\n")[0])
+    p = errors.ArgumentParser(prog="python -m peagle_jax.train.card", description=__doc__.split("\n")[0])
     p.add_argument("run", help="the training run's output directory")
     p.add_argument("--drafter", required=True, help="the shipped drafter directory; README.md is written there")
     p.add_argument("--name", help="drafter name in the title (default: the directory name)")

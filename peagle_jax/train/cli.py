@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
+from pathlib import Path
 
-from peagle_jax.errors import UserError
+from peagle_jax.errors import ArgumentParser, UserError, check_output_dir, report
 from peagle_jax.models.config import ConfigError
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(
         prog="train/train.py",
         description="Train a P-EAGLE / EAGLE-3 drafter: prompts, regeneration by the target, draft vocabulary, "
         "packing, target features, sharded training with orbax checkpoints, export in the speculators format. "
@@ -22,17 +22,56 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def preflight(recipe, output: str) -> None:
+    """The checks that need no model, data or device work, run before the run directory is created: the
+    output directory, the paths the recipe names, the mesh against the devices present. A recipe refused
+    here leaves nothing behind."""
+    check_output_dir(output, "--output")
+    t = recipe.target
+    if t.model not in ("smollm2", "random"):
+        from peagle_jax.checkpoint import is_jax_checkpoint
+        from peagle_jax.loading import target_config
+        from peagle_jax.models.tensors import open_safetensors
+
+        try:
+            target_config(t.model, "float32")
+        except FileNotFoundError as err:
+            raise ConfigError(f"target.model {t.model}: no such directory") from err
+        if not is_jax_checkpoint(t.model):
+            open_safetensors(t.model)  # the headers only: missing or unreadable weights are refused here
+    tokenizer = t.tokenizer or (t.model if t.model != "random" else "smollm2")
+    files = ("tokenizer.json", "tokenizer_config.json")
+    if tokenizer != "smollm2" and not any((Path(tokenizer) / f).is_file() for f in files):
+        key = "target.tokenizer" if t.tokenizer else "target.model (no target.tokenizer given)"
+        raise ConfigError(f"{key} {tokenizer}: no tokenizer there ({' or '.join(files)})")
+    prompts = recipe.data.prompts
+    if prompts != "sharegpt":
+        if not prompts.endswith((".jsonl", ".json")):
+            raise ConfigError(f"data.prompts {prompts!r}: expected 'sharegpt', a .jsonl or a .json file")
+        if not Path(prompts).is_file():
+            raise ConfigError(f"data.prompts {prompts}: no such file")
+    init = recipe.drafter.init
+    if init and not Path(init).is_dir():
+        raise ConfigError(f"drafter.init {init}: no such directory")
+    if not recipe.mesh.distributed:  # a multi-host run sees its devices only after jax.distributed starts
+        from peagle_jax.train import mesh as meshlib
+
+        mesh = meshlib.make_mesh(recipe.mesh.data, recipe.mesh.fsdp)
+        meshlib.check_batch_size(recipe.batch.batch_size, mesh)
+
+
 def main(argv=None) -> None:
+    """Run (or resume) the recipe; a bad flag, recipe or input exits with status 2 and one ``error:`` line."""
     args = build_parser().parse_args(argv)
     from peagle_jax.train.pipeline import run
     from peagle_jax.train.recipe import load_recipe
 
     try:
         recipe = load_recipe(args.config, args.overrides)
+        preflight(recipe, args.output)
         summary = run(recipe, args.output, log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    except (UserError, ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except (UserError, ValueError) as e:
+        sys.exit(report(e))
     last = summary["last_eval"] or summary["last_train"]
     acc = ", ".join("-" if a is None else f"{a:.2f}" for a in (last or {}).get("acc_K", []))
     print(f"done: {summary['steps']} steps, drafter in {summary['drafter']}; per-depth top-1 accuracy: {acc}")

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from peagle_jax.errors import yaml_problem
 from peagle_jax.models.config import ConfigError
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
@@ -164,7 +165,7 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
         try:
             out[key] = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: cannot parse the value ({e})") from None
+            raise ConfigError(f"override {item!r}: cannot parse the value ({yaml_problem(e)})") from None
     return _nest(out)
 
 
@@ -177,7 +178,7 @@ def load_config(path: str | Path | None, overrides=(), cls=TrainConfig):
         except OSError as e:
             raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML ({e})") from None
+            raise ConfigError(f"{path}: not valid YAML ({yaml_problem(e)})") from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
