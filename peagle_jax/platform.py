@@ -82,6 +82,9 @@ def configure_caches(compilation_cache: str | Path | None, platform: str) -> Non
         path = Path(compilation_cache).expanduser()
         path.mkdir(parents=True, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", str(path))
+        # Every graph, however quick to compile (JAX's default keeps those over 1 s only): a restart then
+        # compiles nothing, where it would recompile the small drafter and context graphs each time.
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     if platform == "neuron":
         neuron_cache = os.environ.setdefault("NEURON_COMPILE_CACHE_URL", str(default_neuron_cache_dir()))
         if "NEURON_CC_FLAGS" not in os.environ:
