@@ -38,6 +38,7 @@ COMMANDS: list[tuple[str, str, str]] = [
             "load",
             "sampling",
             "serve",
+            "soak",
             "spec",
             "startup",
             "steps",

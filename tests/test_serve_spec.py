@@ -134,6 +134,35 @@ def test_answers_while_graphs_compile_in_the_background(dirs, tmp_path):
     assert during == after == ref["text"]
 
 
+@pytest.mark.parametrize("when", ["compiling before ready", "compiling in the background"])
+def test_sigterm_while_compiling_stops_cleanly(dirs, tmp_path, when):
+    """SIGTERM while graphs compile, before /health is ready or in the background: compilation stops after
+    the graph it is on and the process exits 0 (XLA aborts a process that exits while it compiles on
+    another thread)."""
+    import urllib.error
+    import urllib.request
+
+    model, drafter = dirs
+    args = ["--model", str(model), "--drafter", str(drafter), "--compilation-cache", "none"]
+    proc = ServerProcess(*args, "--max-batch", "4", "--max-seq-len", "1024", log=tmp_path / "server.log")
+    if when == "compiling before ready":
+        while "compiling graphs on" not in proc.log.read_text():  # the app is up, the warm-up has begun
+            assert proc.proc.poll() is None, proc.log.read_text()
+            time.sleep(0.05)
+        with pytest.raises(urllib.error.HTTPError):  # 503: not ready
+            urllib.request.urlopen(proc.base + "/health", timeout=5)
+    else:
+        proc.wait()
+        assert proc.health()["graphs_pending"] > 0
+    t0 = time.time()
+    assert proc.stop() == 0, proc.log.read_text()
+    assert time.time() - t0 < 20
+    log = proc.log.read_text()
+    assert "Traceback" not in log and "terminate called" not in log
+    if when == "compiling in the background":
+        assert "background compilation stopped: the server is shutting down" in log
+
+
 def test_sagemaker_defaults(tmp_path, monkeypatch):
     from peagle_jax.serve import __main__ as cli
 

@@ -305,6 +305,8 @@ def serve(args, engine, tokenizer, stops, name, sock: socket.socket | None = Non
             print(f"error: {worker.failed}", file=sys.stderr, flush=True)
             server.should_exit = True
             return
+        if worker.stopping:
+            return
         if worker.failed or not worker.ready.is_set():
             log.error("warm-up failed; /health stays 503")
             return
@@ -319,12 +321,17 @@ def serve(args, engine, tokenizer, stops, name, sock: socket.socket | None = Non
         worker.start(background=args.compile == "background", progress=progress)
         task = asyncio.create_task(announce())
         yield
+        worker.stop_compiling()  # before ready, the warm-up stops after its graph (announce then returns)
         task.cancel()
 
     app = build_app(state, lifespan=lifespan)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     server = DrainingServer(config)
     server.run(sockets=None if sock is None else [sock])
+    if not worker.shutdown():
+        log.error("background compilation did not stop within 300 s; exiting anyway")
+        logging.shutdown()
+        os._exit(2 if worker.user_error else 0)  # skip interpreter teardown under a running XLA compile
     return 2 if worker.user_error else 0
 
 
@@ -342,7 +349,7 @@ class DrainingServer(uvicorn.Server):
 
 def _wait_ready(worker) -> None:
     while not worker.ready.wait(0.2):
-        if worker.failed or not worker.alive:
+        if worker.failed or not worker.alive or worker.stopping:
             return
 
 

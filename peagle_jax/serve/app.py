@@ -21,7 +21,7 @@ import traceback
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -288,6 +288,11 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
         metrics.request(endpoint_of(request), outcome)
         return _error(err)
 
+    async def on_client_gone(request: Request, err: ClientDisconnect):
+        """The client went away before its body was complete: nothing was submitted, nothing to answer."""
+        metrics.request(endpoint_of(request), "client_gone")
+        return Response(status_code=499)
+
     async def on_http_error(request: Request, err: HTTPException):
         kind = "not_found" if err.status_code == 404 else "invalid_request_error"
         return _error(APIError(err.status_code, f"{request.method} {request.url.path}: {err.detail}", type=kind))
@@ -306,7 +311,12 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
         Route("/invocations", invocations, methods=["POST"]),
         Route("/metrics", metrics_text, methods=["GET"]),
     ]
-    handlers = {APIError: on_api_error, HTTPException: on_http_error, Exception: on_crash}
+    handlers = {
+        APIError: on_api_error,
+        ClientDisconnect: on_client_gone,
+        HTTPException: on_http_error,
+        Exception: on_crash,
+    }
     return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
 
 

@@ -39,6 +39,10 @@ class QueueFull(Exception):
     """More requests are waiting than ``max_queue``."""
 
 
+class _Stopped(Exception):
+    """Background compilation was asked to stop (:meth:`EngineWorker.shutdown`)."""
+
+
 @dataclasses.dataclass
 class Failure:
     """The request could not be served; ``message`` is safe to show the client."""
@@ -69,6 +73,8 @@ class EngineWorker:
         self._compiling_since: float | None = None  # when the running compile phase started
         self.background_failed: str | None = None  # why background compilation stopped early
         self._thread = threading.Thread(target=self._run, name="peagle-engine", daemon=True)
+        self._compiler: threading.Thread | None = None  # the background compilation, while it runs
+        self._stop = threading.Event()
 
     @property
     def queue_depth(self) -> int:
@@ -96,6 +102,28 @@ class EngineWorker:
         self._warm, self._background, self._progress = warmup, background, progress
         self._thread.start()
 
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def stop_compiling(self) -> None:
+        """Ask the compilation (before ready, or in the background) to stop after the graph it is on."""
+        self._stop.set()
+
+    def shutdown(self, timeout: float = 300) -> bool:
+        """Stop compiling after the graph being compiled, before ready or in the background, and wait for it
+        (a process that exits while XLA compiles on another thread can abort). Returns whether it stopped
+        within ``timeout`` seconds."""
+        self._stop.set()
+        deadline = time.monotonic() + timeout
+        if self._thread.is_alive() and not self.ready.is_set():
+            self._thread.join(timeout)
+        compiler = self._compiler
+        if compiler is not None:
+            compiler.join(max(deadline - time.monotonic(), 0))
+            return not compiler.is_alive()
+        return not (self._thread.is_alive() and not self.ready.is_set())
+
     def submit(self, req: SlotRequest, deliver: Deliver) -> None:
         """Queue ``req``; :class:`QueueFull` when more than ``max_queue`` requests would wait beyond the free
         slots (requests the engine thread has not admitted yet take free slots first, so a burst of exactly
@@ -121,6 +149,8 @@ class EngineWorker:
             try:
                 progress = self._counter("start", len(first))
                 self.warmup_s = self.engine.warmup(progress=progress, tasks=first, calibrate=not rest)
+            except _Stopped:  # shut down before it was ready
+                return
             except UserError as err:  # e.g. too many graphs for this machine: the message says what to do
                 self.failed, self.user_error = str(err), True
                 log.error("warm-up failed: %s", err)
@@ -133,7 +163,9 @@ class EngineWorker:
                 self._compile_s, self._compiling_since = self.compile_s, None
             if rest:
                 self._compiling_since = time.perf_counter()
-                threading.Thread(target=self._compile, args=(rest,), name="peagle-compile", daemon=True).start()
+                compiler = threading.Thread(target=self._compile, args=(rest,), name="peagle-compile", daemon=True)
+                self._compiler = compiler
+                compiler.start()
         self.ready.set()
         while True:
             idle = not self._waiting and self.engine.active == 0
@@ -152,6 +184,8 @@ class EngineWorker:
         base = self.graphs_compiled
 
         def progress(done, total):
+            if self._stop.is_set():
+                raise _Stopped
             self.graphs_compiled = base + min(done, graphs)
             if self._progress:
                 self._progress(phase, done, total)
@@ -169,6 +203,8 @@ class EngineWorker:
             if shadow.policy is not None:
                 self.engine.adopt_times(shadow.policy)
             log.info("background compilation done: %d graphs in %.1f s", len(rest), time.perf_counter() - t0)
+        except _Stopped:
+            log.info("background compilation stopped: the server is shutting down")
         except UserError as err:
             self.background_failed = str(err)
             log.error("background compilation stopped: %s", err)
