@@ -146,11 +146,16 @@ def test_sigterm_while_compiling_stops_cleanly(dirs, tmp_path, when):
     args = ["--model", str(model), "--drafter", str(drafter), "--compilation-cache", "none"]
     proc = ServerProcess(*args, "--max-batch", "4", "--max-seq-len", "1024", log=tmp_path / "server.log")
     if when == "compiling before ready":
-        while "compiling graphs on" not in proc.log.read_text():  # the app is up, the warm-up has begun
-            assert proc.proc.poll() is None, proc.log.read_text()
-            time.sleep(0.05)
-        with pytest.raises(urllib.error.HTTPError):  # 503: not ready
-            urllib.request.urlopen(proc.base + "/health", timeout=5)
+        t0 = time.time()
+        while not proc.saw_503:  # the warm-up has begun and the port listens (refused until then)
+            assert proc.proc.poll() is None and time.time() - t0 < 120, proc.log.read_text()
+            try:
+                urllib.request.urlopen(proc.base + "/health", timeout=5)
+                pytest.fail("ready before a SIGTERM could be sent while compiling")
+            except urllib.error.HTTPError as err:
+                proc.saw_503 = err.code == 503
+            except OSError:
+                time.sleep(0.05)
     else:
         proc.wait()
         assert proc.health()["graphs_pending"] > 0
