@@ -29,6 +29,7 @@ def server(dirs, tmp_path_factory):
     model, drafter = dirs
     args = ["--sagemaker", "--host", "127.0.0.1", "--model", str(model), "--drafter", str(drafter)]
     args += ["--max-batch", "3", "--max-seq-len", str(MAX_SEQ), "--served-model-name", "tiny-spec", "--load-k", "3:1"]
+    args += ["--compile", "first"]  # every step length compiled: the metrics test counts the steps of each
     proc = ServerProcess(*args, log=tmp_path_factory.mktemp("log") / "server.log").wait()
     yield proc
     proc.stop()
