@@ -164,8 +164,8 @@ class SlotEngine:
         self.gen, self.B = gen, max_batch
         self._load_k, self._adaptive = tuple(load_k), adaptive
         self.speculative = isinstance(gen, SpeculativeGenerator)
-        # The drafting steps whose graphs still compile in the background (see the module docstring): a
-        # step that would run one runs a plain step instead. Another thread removes keys as they compile.
+        # The step keys whose graphs still compile in the background (see the module docstring): a drafting
+        # step among them runs a plain step instead. Another thread removes keys as they compile.
         self.compiling: set[StepKey] = set()
         self._times: AdaptiveK | None = None  # step times calibrated elsewhere, adopted on the next step
         self.load_trees: list[tuple[int, Tree]] = []
@@ -472,8 +472,7 @@ class SlotEngine:
     def _step_key(self, R: int, tree: Tree) -> StepKey:
         """The key of a step of ``tree`` over the first R rows now (:func:`peagle_jax.spec.plan.step_keys`)."""
         live = np.array([s is not None for s in self.slots[:R]])
-        q = self.state.q[:R][live]
-        window = self.gen.window(int(q.max(initial=0)) + tree.size + 1)
+        window = self.gen.verify_window(self.state.q[:R][live], tree)
         return StepKey(R, tree, window, greedy_graph(self.temperature[:R][live]))
 
     def adopt_times(self, calibrated: AdaptiveK) -> None:

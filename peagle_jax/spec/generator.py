@@ -182,7 +182,7 @@ class SpeculativeGenerator(Generator):
         if tree.depth > self.K or tree.size > self.tree.size or not tree.depth:
             raise ValueError(f"a step tree must fit the generator's (depth 1..{self.K}, <= {self.tree.size} nodes)")
         t0 = time.perf_counter()
-        window = self.window(int(state.q[live].max(initial=0)) + tree.size + 1)
+        window = self.verify_window(state.q[live], tree)
         C = self.K + 1  # the draft reads the first C of the Q queued slots (run_step flushed any beyond)
         ctx_tokens, ctx_aux = state.ctx_tokens[:, :C], state.ctx_aux  # the graphs read the first C aux slots
         if self.fused:
@@ -226,6 +226,10 @@ class SpeculativeGenerator(Generator):
         self.spec.draft_s += t1 - t0
         self.spec.verify_s += t2 - t1
         return tokens, count, aux, cache, dcache
+
+    def verify_window(self, q_live, tree: Tree) -> int:
+        """The attention window of a verify of ``tree`` for rows whose next slots are ``q_live``."""
+        return self.window(int(np.max(q_live, initial=0)) + tree.size + 1)
 
     def run_step(self, cache, dcache, state: SpecState, seeds, sampling, *, greedy_only: bool, live, tree=None):
         """One step of ``tree`` (default the generator's) over the first R = ``len(live)`` rows of ``state``
