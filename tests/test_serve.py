@@ -145,7 +145,6 @@ BAD = {
     "prompt_longer_than_context": ("/v1/completions", {"prompt": "y" * (MAX_SEQ + 5)}),
     "unknown_model": ("/v1/completions", {"model": "gpt-4", "prompt": "x"}),
     "missing_model": ("/v1/completions", {"model": None, "prompt": "x"}),
-    "unknown_field": ("/v1/completions", {"prompt": "x", "frobnicate": True}),
     "n_2": ("/v1/completions", {"prompt": "x", "n": 2}),
     "logprobs": ("/v1/completions", {"prompt": "x", "logprobs": 3}),
     "two_prompts": ("/v1/completions", {"prompt": ["a", "b"]}),
@@ -157,7 +156,11 @@ BAD = {
     "bad_role": ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}),
     "message_without_content": ("/v1/chat/completions", {"messages": [{"role": "user"}]}),
     "chat_logprobs": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}),
-    "tools": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}),
+    "tools": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+    ),
+    "unknown_field_in_a_message": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "y": 1}]}),
     "chat_too_long": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "z" * MAX_SEQ}]}),
     "invocations_garbage": ("/invocations", "garbage"),
     "invocations_deeply_nested": ("/invocations", '{"messages":' + "[" * 100000 + "]" * 100000 + "}"),
@@ -182,6 +185,22 @@ def test_bad_input_is_a_4xx_openai_error(server, case):
         server.base, "POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 2})
     )
     assert ok == 200
+
+
+def test_fields_the_openai_api_does_not_define_are_ignored_with_one_warning_line(server):
+    """An SDK's field that the OpenAI API does not define changes nothing (the same greedy answer) and is
+    named in one warning line of the log; an OpenAI parameter at its neutral value is accepted."""
+    plain = {"model": "tiny", "messages": [{"role": "user", "content": "ign"}], "max_tokens": 4, "temperature": 0}
+    extra = {**plain, "x_sdk_trace": {"id": 7}, "frobnicate": True, "tools": [], "store": False}
+    answers = []
+    for body in (plain, extra):
+        status, _, raw = http(server.base, "POST", "/v1/chat/completions", json.dumps(body))
+        assert status == 200, raw
+        answers.append(json.loads(raw)["choices"][0]["message"]["content"])
+    assert answers[0] == answers[1]
+    want = "chat: ignoring fields the OpenAI API does not define: frobnicate, x_sdk_trace"
+    lines = [line for line in server.log.read_text().splitlines() if "does not define" in line]
+    assert len(lines) == 1 and lines[0].endswith(want), lines
 
 
 def test_a_port_in_use_is_one_error_line_before_anything_loads(server, model_dir):
@@ -396,7 +415,7 @@ def _request_bodies():
         "n": st.integers(2, 5),
         "prompt": st.one_of(st.just([]), st.lists(st.integers(128, 10**6), min_size=1, max_size=3), st.just({})),
         "messages": st.one_of(st.just([]), st.just([{"role": "robot", "content": "x"}]), st.just([{"role": "user"}])),
-        "frobnicate": st.integers(),
+        "logit_bias": st.just({"5": 1.0}),
     }
     prompt = st.one_of(text.filter(bool), st.lists(st.integers(0, 127), min_size=1, max_size=8))
     message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]), "content": text})

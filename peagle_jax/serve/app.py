@@ -196,6 +196,8 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
         body = await read_body(request)
         # Parsing and tokenization are CPU work: off the event loop, so that /health and streams keep going.
         req = await asyncio.to_thread(parse, body)
+        if req.ignored:
+            log.warning("%s: ignoring fields the OpenAI API does not define: %s", endpoint, ", ".join(req.ignored))
         sreq = await asyncio.to_thread(slot_request, req)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()

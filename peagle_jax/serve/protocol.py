@@ -1,10 +1,12 @@
 """OpenAI request schemas and their validation: every bad request becomes an :class:`APIError` (a 4xx with
 an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``), never an exception that escapes.
 
-The schemas are strict: wrong JSON types are refused (no ``"1"`` for a number), unknown fields are refused
-(a parameter the server would silently ignore is a bug waiting for its user), and the OpenAI parameters
-this server does not implement are accepted only at their neutral values (``n=1``, no logprobs, zero
-penalties, no logit bias, ``echo=false``).
+The schemas are strict about types: wrong JSON types are refused (no ``"1"`` for a number). The OpenAI
+parameters this server does not implement are refused by name (a 400, ``unsupported_parameter``) unless
+they have their neutral values (``n=1``, no logprobs, zero penalties, no logit bias, ``echo=false``, no
+tools, ...). Top-level fields the OpenAI API does not define at all are ignored, and the request records
+their names (:attr:`_Common.ignored`) for one warning line in the log, as vLLM does: an SDK that adds a
+field does not break its clients. Inside messages and ``stream_options`` unknown fields are refused.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from typing import Literal
 
 import pydantic_core
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 MAX_STOP = 4  # stop strings per request, as the OpenAI API
 
@@ -39,8 +41,12 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None  # usage is always sent in the last chunk
 
 
-class _Common(_Strict):
-    """Parameters shared by completions and chat completions."""
+class _Common(BaseModel):
+    """Parameters shared by completions and chat completions. Fields the schema does not declare land in
+    ``model_extra``; :func:`parse` refuses the ones the OpenAI API defines for the endpoint and lists the
+    others in ``ignored``."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     max_tokens: int | None = None
@@ -56,6 +62,12 @@ class _Common(_Strict):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    _ignored: list[str] = PrivateAttr(default_factory=list)  # set by parse()
+
+    @property
+    def ignored(self) -> list[str]:
+        """The top-level fields of the body that the OpenAI API does not define (ignored)."""
+        return self._ignored
 
 
 class CompletionRequest(_Common):
@@ -87,6 +99,30 @@ class ChatRequest(_Common):
     top_logprobs: int | None = None
 
 
+# Chat parameters of the OpenAI API that this server does not implement, with the values at which they
+# change nothing (accepted); any other value is a 400 naming the parameter. The completions API defines no
+# parameter beyond those the schema declares.
+CHAT_NOT_IMPLEMENTED = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "web_search_options": (None,),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "service_tier": (None, "auto", "default"),
+    "prompt_cache_key": (None,),
+    "safety_identifier": (None,),
+}
+
+
 def _where(loc) -> str:
     return ".".join(str(x) for x in loc if not (isinstance(x, str) and ("[" in x or x in {"str", "int", "list"})))
 
@@ -116,6 +152,7 @@ def parse(schema: type[_Common], body: bytes) -> _Common:
             raise APIError(400, f"unsupported parameter: {where}", param=where, code="unsupported_parameter") from None
         message = f"{where}: {first['msg']}" if where else first["msg"]
         raise APIError(400, message, param=where or None) from None
+    _check_extra(req)
     _check_common(req)
     if isinstance(req, CompletionRequest):
         _refuse(req.logprobs not in (None, 0), "logprobs")
@@ -132,6 +169,17 @@ def parse(schema: type[_Common], body: bytes) -> _Common:
         if req.max_tokens is not None and req.max_completion_tokens is not None:
             raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
     return req
+
+
+def _check_extra(req: _Common) -> None:
+    """Refuse an OpenAI parameter this server does not implement, unless neutral; keep the names of the
+    fields the OpenAI API does not define in ``req.ignored``."""
+    extra = req.model_extra or {}
+    defined = CHAT_NOT_IMPLEMENTED if isinstance(req, ChatRequest) else {}
+    for name, value in extra.items():
+        if name in defined:
+            _refuse(not any(value == neutral for neutral in defined[name]), name)
+    req._ignored = sorted(name for name in extra if name not in defined)
 
 
 def _refuse(cond: bool, param: str, what: str = "is not supported by this server") -> None:

@@ -1,0 +1,57 @@
+"""The request schema without a server: OpenAI parameters this server does not implement are refused by name
+unless neutral, fields the OpenAI API does not define are ignored and listed, and nested objects stay
+strict."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from peagle_jax.serve.protocol import CHAT_NOT_IMPLEMENTED, APIError, ChatRequest, CompletionRequest, parse
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+COMPLETION = {"model": "m", "prompt": "x"}
+
+
+def _parse(schema, body: dict):
+    return parse(schema, json.dumps(body).encode())
+
+
+def test_fields_the_api_does_not_define_are_ignored_and_listed():
+    for schema, body in ((ChatRequest, CHAT), (CompletionRequest, COMPLETION)):
+        req = _parse(schema, {**body, "zeta": 1, "alpha": {"nested": [1]}, "ignored": ["x"]})
+        assert req.ignored == ["alpha", "ignored", "zeta"]
+        assert _parse(schema, body).ignored == []
+    # a chat-only parameter sent to completions is not an OpenAI completions parameter: ignored
+    assert _parse(CompletionRequest, {**COMPLETION, "tools": [{"type": "function"}]}).ignored == ["tools"]
+
+
+@pytest.mark.parametrize("name", sorted(CHAT_NOT_IMPLEMENTED))
+def test_chat_parameters_not_implemented_are_refused_by_name_unless_neutral(name):
+    for neutral in CHAT_NOT_IMPLEMENTED[name]:
+        assert _parse(ChatRequest, {**CHAT, name: neutral}).ignored == []
+    with pytest.raises(APIError) as err:
+        _parse(ChatRequest, {**CHAT, name: "something-else"})
+    assert (err.value.status, err.value.param, err.value.code) == (400, name, "unsupported_parameter")
+    assert name in err.value.message
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({**CHAT, "messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages.0.tool_calls"),
+        (
+            {**CHAT, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+            "stream_options.continuous_usage_stats",
+        ),
+        ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+        ({**CHAT, "logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({**COMPLETION, "echo": True}, "echo"),
+    ],
+)
+def test_what_stays_refused(body, param):
+    schema = ChatRequest if "messages" in body else CompletionRequest
+    with pytest.raises(APIError) as err:
+        _parse(schema, body)
+    assert (err.value.status, err.value.param) == (400, param) and param in err.value.message
