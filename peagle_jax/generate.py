@@ -88,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "width", "experts"],
         default="auto",
         help="with --tp, how a mixture-of-experts target's experts are split: width = F/TP hidden units of every "
-        "expert on each device, experts = E/TP whole experts on each device; auto (default): experts for the "
-        "dense MoE dispatch, width for one that gathers (see peagle_jax.sharding)",
+        "expert on each device, experts = E/TP whole experts on each device; auto (default): width, on which "
+        "each decode step slices its selected experts locally, or experts where --tp does not divide the width "
+        "(see peagle_jax.sharding)",
     )
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument(

@@ -21,12 +21,14 @@ and one after the MLP, which XLA inserts):
   - ``auto`` (the default): ``experts`` for the dense dispatch, ``width`` for a dispatch that gathers
     (``gather``, or ``auto``, whose decode steps gather), the other split where TP does not divide the
     first's count. Both splits are exact and hold 1/TP of the expert weights per device; they differ in
-    what XLA all-reduces. The dense dispatch under ``experts`` runs each device's experts on every token
-    and sums token outputs over the devices, where under ``width`` every expert's output is a partial sum
-    over F. The gathered dispatch under ``width`` gathers the k experts' F-shards locally, where under
-    ``experts`` XLA partitions the gather over E by masking and all-reduces the *gathered weights*
-    (``[B, T, k, 2, F, D]`` per layer, the size of the active experts). ``tests/moe_tp_check.py`` compiles
-    both splits for both dispatches and checks that ``auto``'s largest all-reduce is the smaller.
+    what XLA communicates. The dense dispatch under ``experts`` runs each device's experts on every token
+    and sums token outputs over the devices, where under ``width`` XLA all-gathers expert weights (the
+    product over all experts merges E with the split F). The gathered dispatch under ``width`` slices
+    each selected expert's F-shard on its device and sums the outputs, where under ``experts`` XLA
+    all-gathers every expert's weights to slice one. ``tests/moe_tp_check.py`` compiles both splits for
+    both dispatches and checks that ``auto``'s largest collective is the smaller. Under ``auto`` dispatch
+    (the default) the decode steps gather and so set the split; its dense graphs (prefill, large
+    verifies) then pay the weight all-gathers, and ``--expert-split experts`` is the other trade.
     Expert weights already placed on the mesh keep their split, so a caller that placed them with an
     explicit split (:func:`shard_target`, ``--expert-split``) keeps it through a generator, which places
     its parameters with ``auto``;

@@ -4,7 +4,7 @@ argument) with 8 simulated CPU devices (XLA_FLAGS must be set before jax starts)
 kv heads and 8 experts, decoded greedily past the sliding window, plainly and speculatively, without a mesh
 and at TP = 1, 2, 4, 8 with the experts split whole (``experts``: a P-EAGLE chain) and by width
 (``width``: the fused draft-and-verify graph); the expert shard shapes each generator holds; the sharded
-decode step exported for neuron and linted; for GPT-OSS the largest all-reduce of a compiled TP 8 decode
+decode step exported for neuron and linted; for GPT-OSS the largest collective of a compiled TP 8 decode
 step per dispatch and split. Prints one JSON object."""
 
 from __future__ import annotations
@@ -135,16 +135,18 @@ def decode(cfg, params, dcfg, dparams, mesh, spec: str | None) -> dict:
     return out
 
 
-def largest_all_reduce(cfg, params, mesh, split: str) -> int:
-    """Elements of the largest all-reduce operand in the compiled decode step (B = 2, T = 1)."""
+def largest_collective(cfg, params, mesh, split: str) -> int:
+    """Elements of the largest collective (all-reduce, all-gather, all-to-all, reduce-scatter, collective
+    permute) in the compiled decode step (B = 2, T = 1)."""
     placed = shard_target(cfg, params, mesh, split)
     cache = jax.device_put(model.new_cache(cfg, 2, 16), NamedSharding(mesh, CACHE_SPEC))
     step = jax.jit(lambda p, c, t, s: model.forward(p, c, t, s, cfg=cfg))
     hlo = step.lower(placed, cache, jnp.zeros((2, 1), jnp.int32), jnp.zeros(2, jnp.int32)).compile().as_text()
     sizes = [0]
     for line in hlo.splitlines():
-        if re.search(r"\ball-reduce(-start)?\(", line):
-            shapes = line.split("=", 1)[1].split("all-reduce", 1)[0]
+        found = re.search(r"\b(all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)(-start)?\(", line)
+        if found:
+            shapes = line.split("=", 1)[1].split(found[1], 1)[0]
             sizes += [
                 int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"\[([\d,]*)\]", shapes)
             ]
@@ -199,12 +201,12 @@ def main(family: str) -> int:
             out["runs"][f"{tp}-{split}"] = decode(cfg, placed, dcfg, dparams, mesh, spec)
     mesh = make_mesh(8)
     out["neuron_export"] = {split: export_sharded(cfg, mesh, split) for split in SPLITS}
-    if family == "gpt_oss":  # the largest all-reduce of a TP 8 decode step per dispatch and split
-        out["all_reduce"] = {}
+    if family == "gpt_oss":  # the largest collective of a TP 8 decode step per dispatch and split
+        out["collective"] = {}
         for dispatch in ("dense", "gather"):
             c = cfg.replace(moe=dataclasses.replace(cfg.moe, dispatch=dispatch))
             auto = expert_split(8, num_experts=8, expert_width=16, dispatch=dispatch)
-            out["all_reduce"][dispatch] = {"auto": auto, **{s: largest_all_reduce(c, params, mesh, s) for s in SPLITS}}
+            out["collective"][dispatch] = {"auto": auto, **{s: largest_collective(c, params, mesh, s) for s in SPLITS}}
     print(json.dumps(out))
     return 0
 

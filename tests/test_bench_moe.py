@@ -51,3 +51,15 @@ def test_bad_flags_are_one_line_errors(capsys):
     assert capsys.readouterr().err.startswith("error: unknown --models gpt-oss-7b")
     assert bench_moe.main(["--tokens", "0"]) == 2
     assert "error: --tokens" in capsys.readouterr().err
+
+
+def test_slice_overcount_removes_the_unread_experts_of_a_converted_slice():
+    """A bf16 expert sliced for a float32 product: the cost analysis counts all 8 experts' bytes, the slice
+    reads one; a slice of the parameter itself is already counted at the slice."""
+    import jax
+    import jax.numpy as jnp
+
+    sliced = jax.jit(lambda w, i: jax.lax.dynamic_index_in_dim(w.astype(jnp.float32), i) * 2)
+    for dtype, expected in ((jnp.bfloat16, 2 * 7 * 64 * 32), (jnp.float32, 0)):
+        compiled = sliced.lower(jnp.ones((8, 64, 32), dtype), jnp.int32(3)).compile()
+        assert bench_moe.slice_overcount(compiled.as_text()) == expected

@@ -271,7 +271,7 @@ def _moe_target(family):
 
 @pytest.fixture(
     scope="module",
-    params=[("gpt_oss", "dense"), ("qwen3_moe", "dense"), ("gpt_oss", "gather")],
+    params=[("gpt_oss", "auto"), ("qwen3_moe", "auto"), ("gpt_oss", "dense")],
     ids=lambda p: "-".join(p),
 )
 def spec_models(request):

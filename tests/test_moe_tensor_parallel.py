@@ -2,7 +2,7 @@
 whole (``experts``) or by width (``width``) give the tokens of the unsharded GPT-OSS and Qwen3-MoE targets,
 plain and speculative, greedy, past the sliding window; each device holds the expected expert shards; the
 sharded decode step exports for neuron and passes the lint; ``auto`` picks the split with the smaller
-all-reduce per dispatch. The devices must be configured before jax starts, so the checks run in two
+collectives per dispatch. The devices must be configured before jax starts, so the checks run in two
 subprocesses at once, one per family (``tests/moe_tp_check.py``); the refusals are checked here."""
 
 from __future__ import annotations
@@ -95,14 +95,15 @@ def test_the_sharded_moe_decode_step_exports_clean_for_neuron(moe_runs, family):
         assert moe_runs[family]["neuron_export"][split] == {"devices": 8, "findings": []}, split
 
 
-def test_auto_picks_the_split_with_the_smaller_all_reduce(moe_runs):
-    """Dense dispatch: ``experts`` sums token outputs over the devices; gathered: ``width`` gathers F-shards
-    locally, where ``experts`` would all-reduce the gathered expert weights."""
-    sizes = moe_runs["gpt_oss"]["all_reduce"]
+def test_auto_picks_the_split_with_the_smaller_collectives(moe_runs):
+    """Dense dispatch: ``experts`` sums token outputs over the devices, where ``width`` all-gathers expert
+    weights (its product over all experts merges E with the split F). Gathered: ``width`` slices each
+    selected expert's F-shard on its device and sums the outputs, where ``experts`` all-gathers every
+    expert's weights to slice one."""
+    sizes = moe_runs["gpt_oss"]["collective"]
     assert sizes["dense"]["auto"] == "experts" and sizes["gather"]["auto"] == "width"
-    assert sizes["dense"]["experts"] <= sizes["dense"]["width"]
-    assert sizes["gather"]["width"] <= 2 * 1 * 2 * D  # [B, T, k, D]: the k expert outputs
-    assert sizes["gather"]["experts"] >= 2 * 1 * 2 * 2 * F * D  # [B, T, k, 2, F, D]: gathered weights
+    assert sizes["dense"]["experts"] <= 2 * 1 * 2 * D < sizes["dense"]["width"]  # [B, T, k, D] outputs
+    assert sizes["gather"]["width"] <= 2 * 1 * 2 * D < E * 2 * F * D <= sizes["gather"]["experts"]
 
 
 MOE = MoEConfig(num_experts=8, top_k=2, intermediate_size=24, sparse_layers=(0,))

@@ -235,5 +235,5 @@ def test_plan_cli_on_the_shipped_configs(capsys):
     big = ["plan", "--model", str(CONFIGS / "gpt-oss-120b.json"), "--k", "8", "--acceptance-length", "3"]
     assert main(big) == 2
     captured = capsys.readouterr()
-    assert "| trn2.48xlarge | 8 | refused: does not fit at TP 8: 31.7 GiB per device" in captured.out
+    assert "| trn2.48xlarge | 8 | refused: does not fit at TP 8: 31.8 GiB per device" in captured.out
     assert "fits on none of these instances" in captured.err

@@ -118,10 +118,12 @@ _DEF = re.compile(r"%(\S+) = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(%?([^,) ]*)")
 _ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "s64": 8, "f64": 8}
 
 
-def gather_overcount(hlo_text: str) -> int:
-    """Bytes that XLA's cost analysis counts for gathers beyond what they read: it counts the whole array a
-    gather takes from (all E experts' weights, as stored: through any convert XLA fused in between), where
-    the gather reads only the slices it returns."""
+def slice_overcount(hlo_text: str) -> int:
+    """Bytes that XLA's cost analysis counts beyond what a selection reads: for a gather it counts the whole
+    array the gather takes from (all E experts' weights, as stored: through any convert XLA fused in
+    between), and so for a dynamic slice whose operand reaches it through a fused convert (a bf16 expert
+    slice for a float32 product), where each reads only the slice it returns. (A dynamic slice of a fusion's
+    parameter itself is already counted at the slice.)"""
     defs = {m[1]: m for m in _DEF.finditer(hlo_text)}  # name -> (name, type, dims, op, first operand)
 
     def elements(dims):
@@ -129,12 +131,12 @@ def gather_overcount(hlo_text: str) -> int:
 
     extra = 0
     for m in defs.values():
-        if m[4] != "gather":
+        if m[4] not in ("gather", "dynamic-slice"):
             continue
-        source = defs.get(m[5])
+        source, hops = defs.get(m[5]), 0
         while source is not None and source[4] in ("convert", "bitcast", "copy", "reshape"):
-            source = defs.get(source[5])
-        if source is not None:
+            source, hops = defs.get(source[5]), hops + 1
+        if source is not None and (m[4] == "gather" or hops):
             itemsize = _ITEMSIZE.get(source[2], 4)
             extra += max(0, itemsize * (elements(source[3]) - elements(m[3])))
     return extra
@@ -142,13 +144,13 @@ def gather_overcount(hlo_text: str) -> int:
 
 def compile_variant(spec: Spec, dispatch: str, dtype: str, params, x_BTD) -> tuple:
     """``(compiled, bytes accessed, temporary bytes)`` of one dispatch from XLA's compiled analyses; bytes
-    accessed with each gather counted at the slices it reads (:func:`gather_overcount`)."""
+    accessed with each selection counted at the slices it reads (:func:`slice_overcount`)."""
     import jax
 
     compiled = jax.jit(layer_stack(spec, dispatch, dtype)).lower(params, x_BTD).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
-    nbytes = float(cost["bytes accessed"]) - gather_overcount(compiled.as_text())
+    nbytes = float(cost["bytes accessed"]) - slice_overcount(compiled.as_text())
     return compiled, nbytes, int(compiled.memory_analysis().temp_size_in_bytes)
 
 
@@ -254,7 +256,7 @@ def main(argv=None) -> int:
         models.append(model)
         print(_table(model) + "\n")
     print(f"{args.dtype}, {args.layers} layer(s), median of {args.rounds} interleaved rounds")
-    print("bytes: XLA's cost analysis, each gather counted at the slices it reads")
+    print("bytes: XLA's cost analysis, each gather or dynamic slice counted at the slices it reads")
     if args.json:
         with open(args.json, "w") as f:
             out = {"dtype": args.dtype, "layers": args.layers, "rounds": args.rounds, "models": models}

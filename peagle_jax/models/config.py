@@ -75,7 +75,7 @@ class MoEConfig:
     norm_topk_prob: bool = False
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
-    dispatch: str = "dense"  # how tokens reach experts: "dense", "gather" or "auto" (peagle_jax.models.moe)
+    dispatch: str = "auto"  # how tokens reach experts: "auto", "dense" or "gather" (peagle_jax.models.moe)
 
     def __post_init__(self):
         if self.dispatch not in ("dense", "gather", "auto"):

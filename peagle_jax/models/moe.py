@@ -14,17 +14,18 @@ token's top-k experts:
 
 - ``dense``: every expert runs on every token (``out_BTED``, E / top-k times the expert FLOPs), then each
   token takes its k experts' outputs (``take_along_axis``, no scatter);
-- ``gather``: each token gathers its k experts' weights (``jnp.take`` over E) and runs only those, which
-  reads k of E experts per token: the decode step of a large MoE.
+- ``gather``: each (token, expert) pair on its own, unrolled: the pair slices its expert's weights out of
+  the stacked ones (``dynamic_index_in_dim``) and runs the products on one row, so a call reads only the
+  selected experts' weights: the decode step of a large MoE.
 
 Both end in :func:`combine` (each expert's output, bias included, times its routing weight, summed over k in
-top-k order), so they differ only where XLA computes the expert products themselves differently: on the CPU
-the dense products (``W @ x^T`` over all experts) and the gathered ones (a matrix-vector product per token
-and expert) are different kernels, which round differently in float32 and, at real widths, in bf16
-(``tests/test_moe_dispatch.py``; ``docs/bench/moe/README.md``). ``MoEConfig.dispatch`` picks one, or
-``"auto"`` by shape (:func:`dispatch_for`). The default is ``dense`` everywhere, so that a decode step and a
-verify of the same rows run the same dispatch (speculative decoding is tested token for token against plain
-decoding).
+top-k order). ``MoEConfig.dispatch`` picks one, or ``"auto"`` (the default) by shape (:func:`dispatch_for`):
+``gather`` where the call's tokens select fewer than E experts' worth of pairs (a decode step, a small
+verify), ``dense`` otherwise (prefill, large verifies and batches), so the pairs a graph unrolls stay below
+E. The expert products run in different XLA kernels in the two dispatches, and at real widths XLA's CPU
+fusions round a token's output differently with the call's shape in either dispatch, so decode and verify
+agree to rounding, not bit for bit (``docs/bench/moe/README.md``); at the tiny widths of the tests they agree
+bit for bit and speculative decoding is tested token for token against plain decoding with ``auto``.
 """
 
 from __future__ import annotations
@@ -63,15 +64,17 @@ def route_qwen3_moe(logits_BTE, top_k: int, norm_topk_prob: bool):
 
 def dispatch_for(tokens: int, cfg: MoEConfig) -> str:
     """The dispatch a call over ``tokens`` (B * T, static) uses: ``cfg.dispatch``, where ``"auto"`` gathers
-    when the tokens' top-k experts are fewer than all E (a decode step of a large MoE reads k of E experts'
-    weights), and runs every expert densely otherwise."""
+    when the tokens' (token, expert) pairs are fewer than E (a decode step of a large MoE reads k of E
+    experts' weights), and runs every expert densely otherwise."""
     if cfg.dispatch != "auto":
         return cfg.dispatch
     return "gather" if tokens * cfg.top_k < cfg.num_experts else "dense"
 
 
 class Router(nn.Module):
-    """``logits_BTE = x . W^T (+ b)``."""
+    """``logits_BTE = x . W^T (+ b)``, through :func:`peagle_jax.ops.linear` as every other product: in bf16
+    a token's logits then do not depend on the other rows of the call (an einsum rounded a decode step's
+    routing differently from a verify's)."""
 
     num_experts: int
     use_bias: bool
@@ -80,7 +83,7 @@ class Router(nn.Module):
     @nn.compact
     def __call__(self, x_BTD):
         weight_ED = self.param("weight", _init, (self.num_experts, x_BTD.shape[-1]), self.dtype)
-        logits_BTE = jnp.einsum("BTD,ED->BTE", x_BTD, weight_ED)
+        logits_BTE = ops.linear(weight_ED, x_BTD)
         if self.use_bias:
             logits_BTE = logits_BTE + self.param("bias", _init, (self.num_experts,), self.dtype)[None, None, :]
         return logits_BTE
@@ -92,7 +95,7 @@ class Experts(nn.Module):
     ``clamped``: GPT-OSS experts (biases; ``(clip(up, ±limit) + 1) * g * sigmoid(alpha g)``, g = min(gate,
     limit)); otherwise SiLU-gated without bias (Qwen3-MoE). ``dispatch`` ``"dense"`` runs all E experts on
     every token (``out_BTED``, each a contraction over F as in the gathered path) and then takes the k
-    selected ones' outputs; ``"gather"`` gathers each token's k experts' weights and runs only those. Both
+    selected ones' outputs; ``"gather"`` slices each token's k experts' weights and runs only those. Both
     then weight and sum the k outputs by the same arithmetic (:func:`combine`), in top-k order, so they
     agree bit for bit wherever XLA computes the expert products alike (``tests/test_moe_dispatch.py``)."""
 
@@ -121,19 +124,36 @@ class Experts(nn.Module):
             if self.clamped:
                 out_BTED = out_BTED + down_bias_ED[None, None]
             out = jnp.take_along_axis(out_BTED, top_idx[..., None], axis=2)  # [B, T, k, D]
-        elif self.dispatch == "gather":  # [B, T, k, ...]: each token's k experts
-            gate_up_sel = jnp.take(gate_up, top_idx, axis=0)  # [B, T, k, 2, F, D]
-            gate = jnp.einsum("BTD,BTkFD->BTkF", x_BTD, gate_up_sel[:, :, :, 0])
-            up = jnp.einsum("BTD,BTkFD->BTkF", x_BTD, gate_up_sel[:, :, :, 1])
-            if self.clamped:
-                bias_sel = jnp.take(gate_up_bias, top_idx, axis=0)  # [B, T, k, 2, F]
-                gate, up = gate + bias_sel[:, :, :, 0], up + bias_sel[:, :, :, 1]
-            out = jnp.einsum("BTkF,BTkDF->BTkD", self._activation(gate, up), jnp.take(down_EDF, top_idx, axis=0))
-            if self.clamped:
-                out = out + jnp.take(down_bias_ED, top_idx, axis=0)
+        elif self.dispatch == "gather":
+            out = self._gathered(x_BTD, top_idx, gate_up, down_EDF, gate_up_bias, down_bias_ED)
         else:
             raise ValueError(f"unknown MoE dispatch {self.dispatch!r}")
         return combine(out, top_w).astype(x_BTD.dtype)
+
+    def _gathered(self, x_BTD, top_idx, gate_up, down_EDF, gate_up_bias, down_bias_ED):
+        """``out`` [B, T, k, D]: each (token, expert) pair on its own, unrolled over the B * T * k pairs (``auto``
+        gathers only below E pairs). A pair slices its expert's weights out of the stacked ones
+        (``dynamic_index_in_dim``: that expert's bytes, not all E experts') and runs the dense dispatch's
+        products on one row."""
+        B, T, k = top_idx.shape
+        x_ND, idx_Nk = x_BTD.reshape(B * T, -1), top_idx.reshape(B * T, k)
+        outs = []
+        for n in range(B * T):
+            for j in range(k):
+                e = idx_Nk[n, j]
+                # Gate and up apart: one product over [2 * F, D] would merge F with the 2, which a width split
+                # over F cannot follow (XLA all-gathers the expert's weights first).
+                gate_up_2FD = jax.lax.dynamic_index_in_dim(gate_up, e, 0, keepdims=False)
+                gate_1F, up_1F = (ops.linear(gate_up_2FD[i], x_ND[n : n + 1]) for i in (0, 1))
+                if self.clamped:
+                    bias_2F = jax.lax.dynamic_index_in_dim(gate_up_bias, e, 0, keepdims=False)
+                    gate_1F, up_1F = gate_1F + bias_2F[None, 0], up_1F + bias_2F[None, 1]
+                down_DF = jax.lax.dynamic_index_in_dim(down_EDF, e, 0, keepdims=False)
+                out_1D = ops.linear(down_DF, self._activation(gate_1F, up_1F))
+                if self.clamped:
+                    out_1D = out_1D + jax.lax.dynamic_index_in_dim(down_bias_ED, e, 0)
+                outs.append(out_1D)
+        return jnp.concatenate(outs).reshape(B, T, k, -1)
 
     def _activation(self, gate, up):
         m = self.cfg

@@ -249,7 +249,7 @@ def all_graphs(
     if tp > 1:
         check_target_tp(tp, cfg, expert_split)
         mesh = abstract_mesh(tp)
-        params = _placed(params, param_shardings(params, mesh, expert_split))
+        params = _placed(params, param_shardings(params, mesh, expert_split, cfg.moe.dispatch if cfg.moe else "dense"))
         dparams = _placed(dparams, NamedSharding(mesh, PartitionSpec()))
     graphs = plain_graphs(cfg, params, buckets, mesh)
     trees = [chain(k) for k in buckets.k_values] + [parse_tree(t) for t in buckets.trees]

@@ -127,7 +127,8 @@ def model_cost(cfg, params=None, expert_split: str = "auto", tp: int = 1) -> Mod
 
     if params is None:
         params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
-    shardings = param_shardings(params, abstract_mesh(tp), expert_split)
+    dispatch = cfg.moe.dispatch if cfg.moe else "dense"
+    shardings = param_shardings(params, abstract_mesh(tp), expert_split, dispatch)
     split = [s.spec != PartitionSpec() for s in jax.tree.leaves(shardings)]
     return _cost(
         params, cfg.tie_word_embeddings, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.jnp_dtype, split, cfg.moe
@@ -319,7 +320,8 @@ def add_plan_parser(sub) -> None:
         "--expert-split",
         choices=["auto", "experts", "width"],
         default="auto",
-        help="how TP splits a mixture of experts (peagle_jax.sharding; default auto); memory is the same",
+        help="how TP splits a mixture of experts (peagle_jax.sharding; default auto); memory differs only in "
+        "which biases are replicated",
     )
 
 
