@@ -28,7 +28,8 @@ import numpy as np
 
 from peagle_jax.drafter.config import EAGLE_ARCHITECTURE, MASK_TOKEN_KEYS
 from peagle_jax.errors import UserError
-from peagle_jax.models.config import ARCHITECTURES, DTYPES, FAMILIES, ConfigError, ModelConfig, from_hf_config
+from peagle_jax.models.config import ARCHITECTURES, DTYPES, FAMILIES, ConfigError, ModelConfig
+from peagle_jax.models.hf_config import from_hf_config
 from peagle_jax.models.weights import check_params, expected_shapes, flatten, load_target
 
 FORMAT, VERSION = "peagle_jax", 1

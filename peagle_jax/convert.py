@@ -36,7 +36,7 @@ from peagle_jax.checkpoint import (
     save_checkpoint,
 )
 from peagle_jax.errors import ArgumentParser, UserError, check_output_dir, report
-from peagle_jax.models.config import read_config_json
+from peagle_jax.models.hf_config import read_config_json
 
 LAYOUT_CHOICES = ("speculators", "eagle")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -49,7 +49,7 @@ def read_source(src: str | Path) -> tuple[CheckpointMeta, dict]:
     """(meta, params) of a JAX checkpoint, or of a PyTorch directory as :func:`to_jax` would save it."""
     from peagle_jax.drafter.load import read_torch_drafter
     from peagle_jax.drafter.weights import IGNORED, drafter_params_from_tensors
-    from peagle_jax.models.config import from_hf_config
+    from peagle_jax.models.hf_config import from_hf_config
     from peagle_jax.models.tensors import dequantized, open_safetensors
     from peagle_jax.models.weights import SKIPPED, params_from_hf
 
@@ -89,7 +89,7 @@ def torch_tensors(meta: CheckpointMeta, params: dict, layout: str | None = None)
     default: the source's), each tensor in the dtype the source had."""
     from peagle_jax.drafter.config import drafter_config_from_dict
     from peagle_jax.drafter.weights import drafter_params_to_tensors, rename_for_layout
-    from peagle_jax.models.config import from_hf_config
+    from peagle_jax.models.hf_config import from_hf_config
     from peagle_jax.models.weights import check_params, expected_shapes, flatten, params_to_hf
 
     if meta.kind == "target":

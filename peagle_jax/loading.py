@@ -58,7 +58,7 @@ def load_tokenizer(model_dir: Path):
 def target_config(model: str, dtype: str, aux_layer_ids=None):
     """The target's config only (no weights): Hugging Face or converted JAX directory, or ``smollm2``."""
     from peagle_jax.checkpoint import is_jax_checkpoint, read_meta
-    from peagle_jax.models.config import from_hf_config, read_config_json
+    from peagle_jax.models.hf_config import from_hf_config, read_config_json
 
     path = resolve_model_dir(model)
     config = read_meta(path).config if is_jax_checkpoint(path) else read_config_json(path)

@@ -25,7 +25,8 @@ from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.model import init_drafter_params
 from peagle_jax.engine.generator import Generator, decode_step
 from peagle_jax.models import model
-from peagle_jax.models.config import ModelConfig, from_hf_config
+from peagle_jax.models.config import ModelConfig
+from peagle_jax.models.hf_config import from_hf_config
 from peagle_jax.neuron.lint import lint_stablehlo
 from peagle_jax.platform import static_graphs
 from peagle_jax.sampling import SamplingParams

@@ -35,7 +35,7 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     from peagle_jax.drafter.config import random_drafter_config
     from peagle_jax.drafter.load import save_drafter
     from peagle_jax.drafter.model import init_drafter_params
-    from peagle_jax.models.config import load_hf_config
+    from peagle_jax.models.hf_config import load_hf_config
 
     root = tmp_path_factory.mktemp("inputs")
     good = root / "good"

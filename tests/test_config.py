@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import transformers
 
-from peagle_jax.models.config import ConfigError, from_hf_config, load_hf_config, to_hf_config
+from peagle_jax.models.config import ConfigError
+from peagle_jax.models.hf_config import from_hf_config, load_hf_config, to_hf_config
 
 SMALL = dict(
     vocab_size=128,
@@ -170,7 +171,7 @@ def test_unsupported_dtype():
 
 
 def test_unknown_attribute_is_warned_about(caplog):
-    with caplog.at_level(logging.WARNING, logger="peagle_jax.models.config"):
+    with caplog.at_level(logging.WARNING, logger="peagle_jax.models.hf_config"):
         from_hf_config(raw_llama(my_new_knob=3))
     assert "my_new_knob" in caplog.text
 
@@ -195,7 +196,7 @@ def test_released_moe_configs_load_without_warnings(name, caplog):
     """Every attribute of the hub configs of the released drafters' targets is read, or checked to agree
     with the math transformers runs; a disagreeing value is refused by name."""
     hf = json.loads((RELEASED / f"{name}.json").read_text())
-    with caplog.at_level(logging.WARNING, logger="peagle_jax.models.config"):
+    with caplog.at_level(logging.WARNING, logger="peagle_jax.models.hf_config"):
         from_hf_config(hf)
     assert "not read" not in caplog.text
     changed = (

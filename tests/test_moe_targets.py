@@ -15,7 +15,7 @@ import torch
 from peagle_jax.errors import UserError
 from peagle_jax.models import model as M
 from peagle_jax.models import weights as W
-from peagle_jax.models.config import from_hf_config, to_hf_config
+from peagle_jax.models.hf_config import from_hf_config, to_hf_config
 from peagle_jax.models.tensors import fused_experts
 from peagle_jax.models.weights import load_target
 

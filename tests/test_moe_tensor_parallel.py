@@ -19,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 from peagle_jax.errors import UserError
 from peagle_jax.models import model
-from peagle_jax.models.config import MoEConfig, from_hf_config
+from peagle_jax.models.config import MoEConfig
+from peagle_jax.models.hf_config import from_hf_config
 from peagle_jax.sharding import check_target_tp, check_tp, expert_split, param_shardings, param_spec
 
 ROOT = Path(__file__).resolve().parent.parent

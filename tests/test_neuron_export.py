@@ -206,7 +206,7 @@ def test_cli_exports_a_tiny_hf_model_and_fails_on_findings(tmp_path, save_hf, mo
     # A real drafter directory (speculators layout) instead of the random default.
     from peagle_jax.drafter.load import save_drafter
     from peagle_jax.drafter.model import init_drafter_params
-    from peagle_jax.models.config import load_hf_config
+    from peagle_jax.models.hf_config import load_hf_config
 
     dcfg = random_drafter_config(load_hf_config(model_dir))
     save_drafter(tmp_path / "drafter", dcfg, init_drafter_params(dcfg, jax.random.key(0)))

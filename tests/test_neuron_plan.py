@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from peagle_jax.errors import UserError
-from peagle_jax.models.config import ModelConfig, from_hf_config
+from peagle_jax.models.config import ModelConfig
+from peagle_jax.models.hf_config import from_hf_config
 from peagle_jax.neuron.plan import GIB, INSTANCES, ModelCost, model_cost, plan
 
 TINY = ModelConfig(

@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from peagle_jax.models import mxfp4
-from peagle_jax.models.config import from_hf_config
+from peagle_jax.models.hf_config import from_hf_config
 from peagle_jax.models.tensors import TensorSource, WeightsError, _Entry, open_safetensors, write_safetensors
 from peagle_jax.models.weights import hf_shapes, params_from_hf
 

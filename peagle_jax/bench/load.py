@@ -38,7 +38,7 @@ def write_checkpoint(out: Path, config: dict, seed: int = 0) -> None:
     from safetensors.numpy import save_file
     from tqdm import tqdm
 
-    from peagle_jax.models.config import from_hf_config
+    from peagle_jax.models.hf_config import from_hf_config
     from peagle_jax.models.weights import hf_shapes
 
     rng = np.random.default_rng(seed)
@@ -77,7 +77,7 @@ def measure(model_dir: str, dtype: str) -> dict:
     import jax
     import numpy as np
 
-    from peagle_jax.models.config import load_hf_config
+    from peagle_jax.models.hf_config import load_hf_config
     from peagle_jax.models.tensors import open_safetensors
     from peagle_jax.models.weights import params_from_hf
 

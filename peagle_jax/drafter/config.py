@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from peagle_jax.models.config import ConfigError, ModelConfig, RopeConfig, from_hf_config, to_hf_config
+from peagle_jax.models.config import ConfigError, ModelConfig, RopeConfig
+from peagle_jax.models.hf_config import from_hf_config, to_hf_config
 
 ALGORITHMS = ("peagle", "eagle3")
 MASK_TOKEN_KEYS = ("mask_token_id", "ptd_token_id", "pard_token")

@@ -14,7 +14,8 @@ from peagle_jax.drafter.weights import (
     drafter_params_from_tensors,
     with_embedding_of,
 )
-from peagle_jax.models.config import ConfigError, read_config_json
+from peagle_jax.models.config import ConfigError
+from peagle_jax.models.hf_config import read_config_json
 from peagle_jax.models.weights import flatten, read_safetensors
 
 

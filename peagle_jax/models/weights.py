@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from peagle_jax.models.config import ModelConfig, load_hf_config
+from peagle_jax.models.config import ModelConfig
+from peagle_jax.models.hf_config import load_hf_config
 from peagle_jax.models.tensors import (  # noqa: F401 (read_safetensors, write_safetensors, parse_size: re-exported)
     TensorSource,
     WeightsError,

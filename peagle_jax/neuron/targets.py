@@ -66,7 +66,7 @@ def read_target(model: str, dtype: str, aux_layer_ids=None):
     """The target config of ``--model``: a config.json file, or what :func:`peagle_jax.loading.target_config`
     reads (a directory or ``smollm2``)."""
     from peagle_jax.loading import target_config
-    from peagle_jax.models.config import from_hf_config
+    from peagle_jax.models.hf_config import from_hf_config
 
     path = Path(model)
     if path.suffix != ".json":

@@ -2,7 +2,7 @@
 
 A random target is a Llama, a GPT-OSS or a Qwen3-MoE of the recipe's shape (``target.family``) with the
 tokenizer's vocabulary. The mixture-of-experts families are described as a Hugging Face ``config.json``
-first and read back through :func:`peagle_jax.models.config.from_hf_config`, so the random model is
+first and read back through :func:`peagle_jax.models.hf_config.from_hf_config`, so the random model is
 exactly what the loader makes of the directory :func:`save_random_target` writes (which transformers
 loads as well). GPT-OSS takes the YaRN RoPE of the real model (theta 150000, factor 32, beta 32 / 1, not
 truncated) over the recipe's context: ``max_position_embeddings`` is ``target.max_seq_len`` and the original
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import jax
 
-from peagle_jax.models.config import ModelConfig, RopeConfig, from_hf_config
+from peagle_jax.models.config import ModelConfig, RopeConfig
+from peagle_jax.models.hf_config import from_hf_config
 from peagle_jax.train.recipe import parse_layer_types
 
 # GPT-OSS's own RoPE (gpt-oss-20b and gpt-oss-120b config.json: original context 4096 of 131072).
@@ -105,7 +106,7 @@ def save_random_target(cfg: ModelConfig, params, tokenizer, path: Path) -> None:
     """Write the random target as a Hugging Face directory (config.json, safetensors, the tokenizer), which
     peagle_jax and transformers both load, so that the exported drafter runs against it:
     ``generate --model DIR/target --drafter DIR/drafter``."""
-    from peagle_jax.models.config import to_hf_config
+    from peagle_jax.models.hf_config import to_hf_config
     from peagle_jax.models.weights import params_to_hf, write_safetensors
 
     path.mkdir(parents=True, exist_ok=True)
