@@ -364,12 +364,17 @@ def read_config_json(model_dir: str | Path) -> dict[str, Any]:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{model_dir}: no config.json (is this a Hugging Face or speculators model directory?)")
+    return read_json_object(path, str(path))
+
+
+def read_json_object(path: Path, name: str) -> dict[str, Any]:
+    """The JSON object in the file ``path``; a :class:`ConfigError` starting with ``name`` otherwise."""
     try:
         d = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise ConfigError(f"{path}: not valid JSON ({err})") from None
+        raise ConfigError(f"{name}: not valid JSON ({err})") from None
     if not isinstance(d, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(d).__name__}")
+        raise ConfigError(f"{name}: expected a JSON object, got {type(d).__name__}")
     return d
 
 

@@ -15,7 +15,6 @@ its MLP width (the target's ``intermediate_size`` here) may differ from a releas
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from peagle_jax.errors import UserError
@@ -66,20 +65,14 @@ def read_target(model: str, dtype: str, aux_layer_ids=None):
     """The target config of ``--model``: a config.json file, or what :func:`peagle_jax.loading.target_config`
     reads (a directory or ``smollm2``)."""
     from peagle_jax.loading import target_config
-    from peagle_jax.models.hf_config import from_hf_config
+    from peagle_jax.models.hf_config import from_hf_config, read_json_object
 
     path = Path(model)
     if path.suffix != ".json":
         return target_config(model, dtype, aux_layer_ids)
     if not path.is_file():
         raise UserError(f"--model {model}: no such file")
-    try:
-        hf = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise UserError(f"--model {model}: not valid JSON ({err})") from None
-    if not isinstance(hf, dict):
-        raise UserError(f"--model {model}: expected a JSON object")
-    return from_hf_config(hf, dtype=dtype, aux_layer_ids=aux_layer_ids)
+    return from_hf_config(read_json_object(path, f"--model {model}"), dtype=dtype, aux_layer_ids=aux_layer_ids)
 
 
 def configs(model: str, drafter: str | None, dtype: str):
