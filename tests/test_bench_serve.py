@@ -14,10 +14,11 @@ from peagle_jax.spec.state import SpecStats
 
 
 def test_policy_step_times_round_trip_through_metrics():
+    from peagle_jax.bench.server import parse_metrics
     from peagle_jax.serve.metrics import Metrics
 
-    def scraped(m):  # what bench_serve.scrape reads from /metrics
-        return {n: float(v) for n, v in (ln.rsplit(" ", 1) for ln in m.render().splitlines() if ln[0] != "#")}
+    def scraped(m):  # what the benchmark reads from /metrics
+        return parse_metrics(m.render())
 
     m = Metrics()
     m.spec_stats = SpecStats(accepted_per_position=[0, 0])

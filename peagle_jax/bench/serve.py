@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
 import sys
 import tempfile
 import threading
@@ -33,6 +31,10 @@ import time
 from pathlib import Path
 
 from peagle_jax import errors
+from peagle_jax.bench.server import ServerProcess
+from peagle_jax.errors import UserError
+
+READY_TIMEOUT_S = 1800  # each server's start-up, warm-up included
 
 PROMPTS = [
     "Explain how a CPU cache works.",
@@ -53,35 +55,6 @@ def _percentile(values, q):
     k = (len(values) - 1) * q
     lo, hi = int(k), min(int(k) + 1, len(values) - 1)
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(flags: list[str], log: Path, timeout: float = 1800):
-    port = _free_port()
-    cmd = [sys.executable, "-m", "peagle_jax.serve", *flags, "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=dict(os.environ))
-    import urllib.request
-
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited:\n{log.read_text()}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                if r.status == 200:
-                    return proc, port, time.time() - t0
-        except OSError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError(f"server not ready after {timeout} s:\n{log.read_text()}")
 
 
 def one_request(client, model: str, prompt: str, max_tokens: int, sampling: dict | None = None) -> dict:
@@ -166,15 +139,6 @@ def summarize(concurrency: int, runs: list[dict]) -> dict:
         "tpot_p50_s": _percentile(tpots, 0.5),
         "tpot_p99_s": _percentile(tpots, 0.99),
     }
-
-
-def scrape(base: str) -> dict[str, float]:
-    """The server's /metrics as {sample name with labels: value}."""
-    import urllib.request
-
-    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
-        lines = r.read().decode().splitlines()
-    return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in lines if line and line[0] != "#")}
 
 
 # The drafter work the default (--load-k auto) skipped under load, and caught up: JSON key -> metric.
@@ -303,7 +267,7 @@ def main(argv=None) -> int:
         modes[f"speculative {what}, --load-k auto, --sync-steps"] = [*spec, "--load-k", "auto", "--sync-steps"]
     try:
         out = run_modes(modes, levels, model, args)
-    except (RuntimeError, TimeoutError) as err:
+    except (RuntimeError, UserError) as err:  # a failed request, or a server that did not start
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(table(out))
@@ -314,8 +278,6 @@ def main(argv=None) -> int:
 
 def _levels(text: str) -> list[int]:
     """``--concurrency``'s client counts."""
-    from peagle_jax.errors import UserError
-
     try:
         levels = [int(c) for c in text.split(",")]
     except ValueError:
@@ -331,37 +293,37 @@ def run_modes(modes: dict[str, list[str]], levels: list[int], model: str, args) 
     hits every mode alike."""
     out = {"config": vars(args), "modes": {name: {"levels": []} for name in modes}}
     logdir = Path(tempfile.mkdtemp(prefix="peagle-bench-serve-"))
-    servers = {}
+    servers: dict[str, ServerProcess] = {}
     try:
         for i, (name, flags) in enumerate(modes.items()):
-            proc, port, ready_s = start_server(flags, logdir / f"mode{i}.log")
-            servers[name] = (proc, f"http://127.0.0.1:{port}")
-            out["modes"][name]["ready_s"] = ready_s
-        for name, (_, base) in servers.items():
+            servers[name] = server = ServerProcess(flags, logdir / f"mode{i}.log")
+            server.wait_ready(READY_TIMEOUT_S)
+            out["modes"][name]["ready_s"] = time.perf_counter() - server.started
+        for name, server in servers.items():
             # What the adaptive policy's warm-up calibrated (empty for the other modes): why it drafts or not.
-            if calibrated := policy_step_ms(scrape(base)):
+            if calibrated := policy_step_ms(server.metrics()):
                 out["modes"][name]["calibrated_step_ms"] = calibrated
         for c in levels:
-            for _, base in servers.values():
+            for server in servers.values():
                 # One short request to every server before each level: a server that idled while the others
                 # compiled or ran (minutes) serves a request before the timed ones.
-                run_level(base, model, 1, 1, 4)
+                run_level(server.url, model, 1, 1, 4)
             runs: dict[str, list[dict]] = {name: [] for name in servers}
-            before = {name: scrape(base) for name, (_, base) in servers.items()}
+            before = {name: server.metrics() for name, server in servers.items()}
             for rep in range(args.repeats):
                 # The order rotates with each repeat, so that no mode always runs right after the same one
                 # (e.g. the plain server after the tree's compute-bound run, on a machine whose speed drifts).
                 order = list(servers.items())
                 order = order[rep % len(order) :] + order[: rep % len(order)]
-                for name, (_, base) in order:
+                for name, server in order:
                     runs[name].append(
-                        run_level(base, model, c, args.rounds, args.max_tokens, args.temperature, args.top_p)
+                        run_level(server.url, model, c, args.rounds, args.max_tokens, args.temperature, args.top_p)
                     )
                     tok_s = _throughput(runs[name][-1])
                     print(f"{name} c={c} [{rep + 1}/{args.repeats}]: {tok_s:.1f} tok/s", file=sys.stderr, flush=True)
-            for name, (_, base) in servers.items():
+            for name, server in servers.items():
                 row = summarize(c, runs[name])
-                after, was = scrape(base), before[name]
+                after, was = server.metrics(), before[name]
                 steps_before = steps_by_k(was)
                 row["steps_by_k"] = {k: n - steps_before.get(k, 0) for k, n in sorted(steps_by_k(after).items())}
                 for key, metric in LAZY_DRAFTER.items():
@@ -370,13 +332,13 @@ def run_modes(modes: dict[str, list[str]], levels: list[int], model: str, args) 
                 if policy := policy_step_ms(after):
                     row["policy_step_ms"] = policy  # the policy's step times after the level
                 out["modes"][name]["levels"].append(row)
-        for name, (_, base) in servers.items():
-            out["modes"][name]["acceptance_length"] = scrape(base).get("peagle_acceptance_length")
+        for name, server in servers.items():
+            out["modes"][name]["acceptance_length"] = server.metrics().get("peagle_acceptance_length")
     finally:
-        for proc, _ in servers.values():
-            proc.terminate()
-        for proc, _ in servers.values():
-            proc.wait(30)
+        for server in servers.values():
+            server.proc.terminate()
+        for server in servers.values():
+            server.stop(30)
     return out
 
 

@@ -31,11 +31,9 @@ import argparse
 import dataclasses
 import http.client
 import json
-import os
 import random
 import shlex
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -43,8 +41,10 @@ import time
 from pathlib import Path
 
 from peagle_jax import errors
+from peagle_jax.bench.server import ServerProcess
 from peagle_jax.errors import UserError
 
+READY_TIMEOUT_S = 3600.0  # the server's start-up, every graph compiled first
 HEALTH_EVERY_S = 0.25
 HEALTH_BOUND_S = 1.0
 IDLE_WITHIN_S = 30.0
@@ -324,25 +324,6 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, int(round(q / 100 * len(ordered))) - 1))]
 
 
-def _get(base: str, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection(base, timeout=timeout)
-    try:
-        conn.request("GET", path)
-        r = conn.getresponse()
-        return r.status, r.read()
-    finally:
-        conn.close()
-
-
-def metrics(base: str) -> dict[str, float]:
-    out = {}
-    for line in _get(base, "/metrics")[1].decode().splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
 def proc_status_mib(pid: int, field: str) -> float | None:
     """``VmRSS`` / ``VmHWM`` of a process in MiB (None where /proc is not there)."""
     try:
@@ -352,43 +333,6 @@ def proc_status_mib(pid: int, field: str) -> float | None:
     except OSError:
         return None
     return None
-
-
-class Server:
-    """``python -m peagle_jax.serve`` on a free loopback port, its output in ``log``."""
-
-    def __init__(self, flags: list[str], log: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.base, self.log = f"127.0.0.1:{self.port}", log
-        cmd = [sys.executable, "-m", "peagle_jax.serve", *flags, "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=dict(os.environ))
-
-    def wait_ready(self, timeout: float = 3600) -> None:
-        """Until /health answers 200 with no graph left to compile."""
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise UserError(f"the server exited with status {self.proc.returncode} while starting; log: {self.log}")
-            try:
-                status, raw = _get(self.base, "/health")
-                if status == 200 and json.loads(raw).get("graphs_pending") == 0:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise UserError(f"the server was not ready after {timeout:.0f} s; log: {self.log}")
-
-    def stop(self, timeout: float = 60) -> int | None:
-        """SIGTERM, then the exit status (None: killed after ``timeout`` s)."""
-        self.proc.terminate()
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            return None
 
 
 class Sampler(threading.Thread):
@@ -412,11 +356,11 @@ class Sampler(threading.Thread):
         self.join()
 
 
-def health_probe(base: str):
+def health_probe(server: ServerProcess):
     def probe() -> tuple[int | None, float]:
         t = time.perf_counter()
         try:
-            status = _get(base, "/health", timeout=10)[0]
+            status = server.get("/health", timeout=10)[0]
         except OSError:
             status = None
         return status, time.perf_counter() - t
@@ -445,12 +389,12 @@ def run_traffic(args, port: int, pool) -> list[dict]:
     return records
 
 
-def wait_idle(base: str, timeout: float) -> tuple[float | None, dict]:
+def wait_idle(server: ServerProcess, timeout: float) -> tuple[float | None, dict]:
     """Seconds until no slot is active and the queue is empty (None: not within ``timeout``), and the last
     metrics read."""
     t0 = time.monotonic()
     while True:
-        m = metrics(base)
+        m = server.metrics()
         if m["peagle_active_slots"] == 0 and m["peagle_queue_depth"] == 0:
             return round(time.monotonic() - t0, 2), m
         if time.monotonic() - t0 > timeout:
@@ -573,13 +517,13 @@ def main(argv=None) -> int:
     log = Path(tempfile.mkdtemp(prefix="peagle-soak-")) / "server.log"
     print(f"starting the server (log: {log})", file=sys.stderr, flush=True)
     flags = ["--model", args.model, "--max-batch", str(args.max_batch), "--max-seq-len", str(args.max_seq_len)]
-    server = Server([*flags, "--compile", "first", *extra], log)
+    server = ServerProcess([*flags, "--compile", "first", *extra], log)
     try:
         try:
-            server.wait_ready()
+            server.wait_ready(READY_TIMEOUT_S, all_graphs=True)
         except UserError as err:
             return errors.report(err)
-        args.model_name = json.loads(_get(server.base, "/v1/models")[1])["data"][0]["id"]
+        args.model_name = server.model_id()
         result = soak(args, server)
     finally:
         exit_status = server.stop()
@@ -598,20 +542,20 @@ def main(argv=None) -> int:
     return 0
 
 
-def soak(args, server: Server) -> dict:
+def soak(args, server: ServerProcess) -> dict:
     """The traffic, the samplers, the idle wait and the greedy replay; the result without the exit checks."""
     pool = greedy_pool(args.seed, args.model_name, args.max_seq_len)
-    health = Sampler(health_probe(server.base), HEALTH_EVERY_S)
+    health = Sampler(health_probe(server), HEALTH_EVERY_S)
     rss = Sampler(lambda: proc_status_mib(server.proc.pid, "VmRSS"), RSS_EVERY_S)
     health.start()
     rss.start()
     start = time.monotonic() - rss.t0
     print(f"traffic: {args.clients} clients for {args.seconds:g} s", file=sys.stderr, flush=True)
     records = run_traffic(args, server.port, pool)
-    idle_s, _ = wait_idle(server.base, IDLE_WITHIN_S)
+    idle_s, _ = wait_idle(server, IDLE_WITHIN_S)
     health.stop()
     checked, mismatches = replay_greedy(server.port, pool, records)
-    final = metrics(server.base)
+    final = server.metrics()
     rss.stop()
     hwm = proc_status_mib(server.proc.pid, "VmHWM")
 

@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +23,7 @@ import urllib.request
 from pathlib import Path
 
 from peagle_jax import errors
+from peagle_jax.bench.server import ServerProcess
 from peagle_jax.errors import UserError
 
 DEFAULT_SETTINGS = {"default": [], "16x4096": ["--max-batch", "16", "--max-seq-len", "4096"]}
@@ -60,65 +58,27 @@ def parse_settings(items: list[str] | None) -> dict[str, list[str]]:
     return settings
 
 
-def _get(url: str, timeout: float = 5) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read()
-
-
-def _metrics(base: str) -> dict[str, float]:
-    out = {}
-    for line in _get(base + "/metrics")[1].decode().splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
 def one_run(flags: list[str], cache: Path, log: Path, max_tokens: int, timeout: float) -> dict:
     """Start a server with ``flags`` on compilation cache ``cache``, measure it (see the module docstring)
     and stop it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "peagle_jax.serve", *flags, "--compilation-cache", str(cache), "--port", str(port)]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=dict(os.environ))
+    server = ServerProcess([*flags, "--compilation-cache", str(cache)], log)
     try:
-
-        def poll(done):
-            while time.perf_counter() - t0 < timeout:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the server exited:\n{log.read_text()}")
-                try:
-                    value = done()
-                except OSError:
-                    value = None
-                if value is not None:
-                    return value
-                time.sleep(0.05)
-            raise TimeoutError(f"the server took over {timeout} s:\n{log.read_text()}")
-
-        health = poll(lambda: (lambda st, body: json.loads(body) if st == 200 else None)(*_get(base + "/health")))
-        ready = time.perf_counter() - t0
+        health = server.wait_ready(timeout)
+        ready = time.perf_counter() - server.started
         body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": max_tokens, "temperature": 0}
-        body["model"] = json.loads(_get(base + "/v1/models")[1])["data"][0]["id"]
+        body["model"] = server.model_id()
         req = urllib.request.Request(
-            base + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+            server.url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
         with urllib.request.urlopen(req, timeout=timeout) as r:
             answer = json.loads(r.read())
-        first_answer = time.perf_counter() - t0
-        poll(lambda: True if json.loads(_get(base + "/health")[1])["graphs_pending"] == 0 else None)
-        all_ready = time.perf_counter() - t0
-        m = _metrics(base)
+        first_answer = time.perf_counter() - server.started
+        server.wait_ready(timeout, all_graphs=True)
+        all_ready = time.perf_counter() - server.started
+        m = server.metrics()
         graphs = int(m["peagle_graphs_compiled"] + m["peagle_graphs_pending"])
     finally:
-        proc.terminate()
-        proc.wait(60)
+        server.stop()
     return {
         "ready_s": round(ready, 2),
         "first_answer_s": round(first_answer, 2),
@@ -150,7 +110,10 @@ def main(argv=None) -> int:
             for temperature in ("cold", "warm"):
                 log = logdir / f"{name}-{mode}-{temperature}.log"
                 print(f"{name}, --compile {mode}, {temperature} cache (log: {log})", file=sys.stderr, flush=True)
-                run = one_run([*flags, "--compile", mode], cache, log, args.max_tokens, args.timeout)
+                try:
+                    run = one_run([*flags, "--compile", mode], cache, log, args.max_tokens, args.timeout)
+                except UserError as err:  # the server exited or took too long: its log says why
+                    return errors.report(err)
                 results.append({"setting": name, "flags": flags, "compile": mode, "cache": temperature, **run})
     header = "| setting | --compile | cache | graphs before ready / all | ready | first answer | all graphs |"
     print(header)
