@@ -72,9 +72,8 @@ def dispatch_for(tokens: int, cfg: MoEConfig) -> str:
 
 
 class Router(nn.Module):
-    """``logits_BTE = x . W^T (+ b)``, through :func:`peagle_jax.ops.linear` as every other product: in bf16
-    a token's logits then do not depend on the other rows of the call (an einsum rounded a decode step's
-    routing differently from a verify's)."""
+    """``logits_BTE = x . W^T (+ b)``, through :func:`peagle_jax.ops.linear` as every other product (in bf16
+    it computes a row's product independently of the other rows of the call)."""
 
     num_experts: int
     use_bias: bool
@@ -131,10 +130,11 @@ class Experts(nn.Module):
         return combine(out, top_w).astype(x_BTD.dtype)
 
     def _gathered(self, x_BTD, top_idx, gate_up, down_EDF, gate_up_bias, down_bias_ED):
-        """``out`` [B, T, k, D]: each (token, expert) pair on its own, unrolled over the B * T * k pairs (``auto``
-        gathers only below E pairs). A pair slices its expert's weights out of the stacked ones
-        (``dynamic_index_in_dim``: that expert's bytes, not all E experts') and runs the dense dispatch's
-        products on one row."""
+        """``out`` [B, T, k, D]: each (token, expert) pair on its own, unrolled over the B * T * k pairs, so the
+        graph grows with the call's tokens: ``auto`` gathers only below E pairs, and an explicit ``gather``
+        is meant for decode-sized calls, not prefill. A pair slices its expert's weights out of the stacked
+        ones (``dynamic_index_in_dim``: that expert's bytes, not all E experts') and runs the dense
+        dispatch's products on one row."""
         B, T, k = top_idx.shape
         x_ND, idx_Nk = x_BTD.reshape(B * T, -1), top_idx.reshape(B * T, k)
         outs = []
