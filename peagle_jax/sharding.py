@@ -220,11 +220,16 @@ def shard_params(params, mesh: Mesh, experts: str = "auto", dispatch: str = "den
     return jax.device_put(params, param_shardings(params, mesh, experts, dispatch))
 
 
+def target_dispatch(cfg: ModelConfig) -> str:
+    """The MoE dispatch that decides ``auto``'s expert split for a target (``"dense"`` without experts)."""
+    return cfg.moe.dispatch if cfg.moe else "dense"
+
+
 def shard_target(cfg: ModelConfig, params, mesh: Mesh, experts: str = "auto"):
     """Check TP against the target (:func:`check_target_tp`) and place its parameters on the mesh, the
     experts split for its dispatch."""
     check_target_tp(mesh.size, cfg, experts)
-    return shard_params(params, mesh, experts, cfg.moe.dispatch if cfg.moe else "dense")
+    return shard_params(params, mesh, experts, target_dispatch(cfg))
 
 
 def replicate(tree, mesh: Mesh):

@@ -40,7 +40,7 @@ from peagle_jax.models import model
 from peagle_jax.models.config import ModelConfig
 from peagle_jax.neuron.buckets import ServingBuckets
 from peagle_jax.sampling import SamplingParams
-from peagle_jax.sharding import AXIS, CACHE_SPEC, check_target_tp, param_shardings
+from peagle_jax.sharding import AXIS, CACHE_SPEC, check_target_tp, param_shardings, target_dispatch
 from peagle_jax.spec.graphs import flush_context, fused_step, plain_step, write_context
 from peagle_jax.spec.plan import prefill_keys, serving_trees, step_keys, windows_up_to
 from peagle_jax.spec.state import cache_slack, queue_slots
@@ -249,7 +249,7 @@ def all_graphs(
     if tp > 1:
         check_target_tp(tp, cfg, expert_split)
         mesh = abstract_mesh(tp)
-        params = _placed(params, param_shardings(params, mesh, expert_split, cfg.moe.dispatch if cfg.moe else "dense"))
+        params = _placed(params, param_shardings(params, mesh, expert_split, target_dispatch(cfg)))
         dparams = _placed(dparams, NamedSharding(mesh, PartitionSpec()))
     graphs = plain_graphs(cfg, params, buckets, mesh)
     trees = [chain(k) for k in buckets.k_values] + [parse_tree(t) for t in buckets.trees]

@@ -123,12 +123,11 @@ def model_cost(cfg, params=None, expert_split: str = "auto", tp: int = 1) -> Mod
     ``expert_split`` resolves there)."""
     from peagle_jax.models import model
     from peagle_jax.neuron.graphs import abstract_mesh
-    from peagle_jax.sharding import param_shardings
+    from peagle_jax.sharding import param_shardings, target_dispatch
 
     if params is None:
         params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
-    dispatch = cfg.moe.dispatch if cfg.moe else "dense"
-    shardings = param_shardings(params, abstract_mesh(tp), expert_split, dispatch)
+    shardings = param_shardings(params, abstract_mesh(tp), expert_split, target_dispatch(cfg))
     split = [s.spec != PartitionSpec() for s in jax.tree.leaves(shardings)]
     return _cost(
         params, cfg.tie_word_embeddings, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.jnp_dtype, split, cfg.moe
