@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -123,3 +125,41 @@ def test_bfloat16_close_to_float32(params):
     assert out16.logits.dtype == jnp.float32 and out16.aux.dtype == jnp.bfloat16
     ref = _full(params, ids, 16).logits
     assert float(jnp.max(jnp.abs(out16.logits - ref))) < 0.05 * float(jnp.max(jnp.abs(ref)))
+
+
+def _dot_products(jaxpr):
+    """Every dot_general of ``jaxpr``, nested jaxprs (jit, custom rules) included."""
+    from jax.extend import core as jcore
+
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(sub, jcore.ClosedJaxpr):
+                    yield from _dot_products(sub.jaxpr)
+                elif isinstance(sub, jcore.Jaxpr):
+                    yield from _dot_products(sub)
+
+
+@pytest.mark.parametrize("new_tokens", [1, 8])
+def test_decode_and_verify_products_run_at_full_fp32_precision(new_tokens):
+    """A GPU's default fp32 product is TF32 (a TPU's one bf16 pass): a decode step and a verify then round
+    the same token differently and greedy choices can flip. Every product of an fp32 decode step and verify
+    (attention, dense layers, a mixture of experts' dense dispatch, the LM head) asks for full precision."""
+    from peagle_jax.models.config import MoEConfig
+
+    moe = MoEConfig(num_experts=4, top_k=2, intermediate_size=24, dispatch="dense", sparse_layers=(0,))
+    cfg = dataclasses.replace(CFG, family="qwen3_moe", moe=moe)
+    params = M.init_params(cfg, jax.random.key(0))
+
+    def step(params, cache, tokens_BT, start_B):
+        return M.forward(params, cache, tokens_BT, start_B, cfg=cfg)
+
+    closed = jax.make_jaxpr(step)(
+        params, M.new_cache(cfg, 1, 16), jnp.zeros((1, new_tokens), jnp.int32), jnp.zeros(1, jnp.int32)
+    )
+    products = list(_dot_products(closed.jaxpr))
+    assert len(products) >= 2 * 6  # per layer: q, k, v, o, scores, probs @ V, and the MLP or experts
+    for eqn in products:
+        assert eqn.params["precision"] == (jax.lax.Precision.HIGHEST,) * 2, eqn

@@ -30,6 +30,8 @@ bit for bit and speculative decoding is tested token for token against plain dec
 
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -119,7 +121,8 @@ class Experts(nn.Module):
             if self.clamped:
                 gate_BTEF = gate_BTEF + gate_up_bias[None, None, :, 0]
                 up_BTEF = up_BTEF + gate_up_bias[None, None, :, 1]
-            out_BTED = jnp.einsum("BTEF,EDF->BTED", self._activation(gate_BTEF, up_BTEF), down_EDF)
+            precision = ops.EXACT if math.prod(x_BTD.shape[:2]) <= ops.SMALL_ROWS else None
+            out_BTED = jnp.einsum("BTEF,EDF->BTED", self._activation(gate_BTEF, up_BTEF), down_EDF, precision=precision)
             if self.clamped:
                 out_BTED = out_BTED + down_bias_ED[None, None]
             out = jnp.take_along_axis(out_BTED, top_idx[..., None], axis=2)  # [B, T, k, D]
