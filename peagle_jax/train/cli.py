@@ -53,9 +53,9 @@ def preflight(recipe, output: str) -> None:
     init = recipe.drafter.init
     if init and not Path(init).is_dir():
         raise ConfigError(f"drafter.init {init}: no such directory")
-    if not recipe.mesh.distributed:  # a multi-host run sees its devices only after jax.distributed starts
-        from peagle_jax.train import mesh as meshlib
+    from peagle_jax.train import mesh as meshlib
 
+    if not meshlib.multi_process(recipe.mesh):  # a multi-process run sees its devices after jax.distributed starts
         mesh = meshlib.make_mesh(recipe.mesh.data, recipe.mesh.fsdp)
         meshlib.check_batch_size(recipe.batch.batch_size, mesh)
 

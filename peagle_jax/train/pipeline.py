@@ -13,6 +13,7 @@ skips finished regeneration shards and feature chunks and continues training fro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -206,8 +207,14 @@ def run(recipe: Recipe, output: str | Path, *, log=print) -> dict:
     t_start = time.perf_counter()
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    meshlib.initialize(recipe.mesh.distributed)
-    (out / "run.json").write_text(json.dumps(recipe_dict(recipe), indent=1))
+    meshlib.initialize(recipe.mesh)
+    # Several processes: process 0 writes the logs, records and the export; the others stay quiet.
+    primary = meshlib.is_primary()
+    if not primary:
+        log = _quiet
+        recipe = dataclasses.replace(recipe, run=dataclasses.replace(recipe.run, progress=False, tensorboard=False))
+    else:
+        (out / "run.json").write_text(json.dumps(recipe_dict(recipe), indent=1))
     bc, tcfg, K = recipe.batch, recipe.optim, recipe.batch.num_depths
     mesh = meshlib.make_mesh(recipe.mesh.data, recipe.mesh.fsdp)
     meshlib.check_batch_size(bc.batch_size, mesh)
@@ -215,12 +222,16 @@ def run(recipe: Recipe, output: str | Path, *, log=print) -> dict:
     cfg, params, tokenizer, source = load_target(recipe)
     if source == "random":
         source = str((out / "target").absolute())
-        save_random_target(cfg, params, tokenizer, out / "target")
+        if primary:
+            save_random_target(cfg, params, tokenizer, out / "target")
+        meshlib.barrier("random target")
     log(f"target: {source} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size})")
     if recipe.data.responses == "dataset":
         records = dataset_records(recipe, cfg, tokenizer, log)
     else:
-        records = regenerated_records(recipe, out, cfg, params, tokenizer, log)
+        records = meshlib.primary_first(
+            "regeneration", lambda: regenerated_records(recipe, out, cfg, params, tokenizer, log)
+        )
 
     rows = pack([conversation(r) for r in records], bc.seq_len)
     stats = packing_stats(rows)
@@ -242,19 +253,20 @@ def run(recipe: Recipe, output: str | Path, *, log=print) -> dict:
             )
         dcfg, dparams = build_drafter(recipe, tcfg, cfg, params, used, d2t, t2d, mask_id, source)
     cover = coverage(counts, used)
-    (out / "vocab.json").write_text(
-        json.dumps(
-            {
-                "draft_vocab_size": len(used),
-                "coverage": cover,
-                "mask_token_id": mask_id,
-                "responses": len(records),
-                "response_tokens": int(sum(len(r["response_ids"]) for r in records)),
-                **stats,
-            },
-            indent=1,
+    if primary:
+        (out / "vocab.json").write_text(
+            json.dumps(
+                {
+                    "draft_vocab_size": len(used),
+                    "coverage": cover,
+                    "mask_token_id": mask_id,
+                    "responses": len(records),
+                    "response_tokens": int(sum(len(r["response_ids"]) for r in records)),
+                    **stats,
+                },
+                indent=1,
+            )
         )
-    )
     log(f"draft vocab: {len(used)} ids cover {cover:.2%} of response tokens; mask token {mask_id}")
 
     head = jnp.asarray(target_head(params))[jnp.asarray(used)]
@@ -271,14 +283,17 @@ def run(recipe: Recipe, output: str | Path, *, log=print) -> dict:
     )
     if bc.features == "cached":
         source_kw = dict(
-            features=build_cache(
-                params,
-                cfg,
-                rows,
-                out / "features",
-                dtype=bc.feature_dtype,
-                chunk_rows=bc.batch_size,
-                progress=recipe.run.progress,
+            features=meshlib.primary_first(
+                "feature cache",
+                lambda: build_cache(
+                    params,
+                    cfg,
+                    rows,
+                    out / "features",
+                    dtype=bc.feature_dtype,
+                    chunk_rows=bc.batch_size,
+                    progress=recipe.run.progress,
+                ),
             )
         )
     else:
@@ -294,14 +309,15 @@ def run(recipe: Recipe, output: str | Path, *, log=print) -> dict:
         log(f"resumed from step {int(state.step)}")
     state = meshlib.place(state, shardings)
     rep = meshlib.replicated(mesh)
-    head, embed = jax.device_put(head, rep), (None if embed is None else jax.device_put(embed, rep))
+    head, embed = meshlib.place((head, embed), (rep, None if embed is None else rep))
     step_fn = meshlib.sharded_train_step(mesh, shardings, cfg=dcfg, tcfg=tcfg, num_depths=K)
     writer = _tensorboard(out / "tb") if recipe.run.tensorboard else None
 
     first = int(state.step)
     # Rows past the checkpoint were written by a run killed before it saved them: they are about to be redone.
-    truncate_jsonl(out / "metrics.jsonl", lambda r: r["step"] < first)
-    truncate_jsonl(out / "eval.jsonl", lambda r: r["step"] <= first)
+    if primary:
+        truncate_jsonl(out / "metrics.jsonl", lambda r: r["step"] < first)
+        truncate_jsonl(out / "eval.jsonl", lambda r: r["step"] <= first)
     bar = tqdm(total=tcfg.total_steps, initial=first, desc="train", unit="step", disable=not recipe.run.progress)
     t_train, tokens = time.perf_counter(), 0
     record = eval_record = None
@@ -311,7 +327,8 @@ def run(recipe: Recipe, output: str | Path, *, log=print) -> dict:
         state, metrics = step_fn(state, meshlib.global_batch(batch, mesh), head, embed)
         tokens += int(np.asarray(batch.loss_mask_BT).sum())
         record = summarize(metrics, step)
-        append_jsonl(out / "metrics.jsonl", record)
+        if primary:
+            append_jsonl(out / "metrics.jsonl", record)
         _log_tb(writer, "train", record, step)
         if step % recipe.run.log_every == 0:
             bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=_fmt(record["acc_K"][0]))
@@ -329,7 +346,8 @@ def run(recipe: Recipe, output: str | Path, *, log=print) -> dict:
                 batches=min(recipe.run.eval_batches, held.steps_per_epoch),
                 mesh=mesh,
             )
-            append_jsonl(out / "eval.jsonl", eval_record)
+            if primary:
+                append_jsonl(out / "eval.jsonl", eval_record)
             _log_tb(writer, "eval", eval_record, step + 1)
         bar.update(1)
     bar.close()
@@ -340,8 +358,9 @@ def run(recipe: Recipe, output: str | Path, *, log=print) -> dict:
         writer.close()
 
     export = out / "drafter"
-    final = jax.tree.map(np.asarray, jax.device_get(state.params))
-    save_drafter(export, dcfg, final, layout=recipe.run.export_layout)
+    final = meshlib.host_tree(state.params)
+    if primary:
+        save_drafter(export, dcfg, final, layout=recipe.run.export_layout)
     summary = {
         "steps": int(state.step),
         "trained_steps_this_run": int(state.step) - first,
@@ -352,9 +371,15 @@ def run(recipe: Recipe, output: str | Path, *, log=print) -> dict:
         "drafter": str(export),
         "wall_s": time.perf_counter() - t_start,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if primary:
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    meshlib.barrier("export")
     log(f"exported {tcfg.objective} drafter to {export}")
     return summary
+
+
+def _quiet(msg: str) -> None:
+    """The log of processes other than 0."""
 
 
 def _fmt(x):

@@ -191,12 +191,35 @@ class BatchConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """A (data, fsdp) device mesh; ``data`` -1 = all devices left by ``fsdp``; ``distributed`` calls
-    ``jax.distributed.initialize()`` first (multi-host TPU pods)."""
+    """A (data, fsdp) device mesh over the devices of every process; ``data`` -1 = all devices left by
+    ``fsdp``. Several processes (:func:`peagle_jax.train.mesh.initialize`): ``coordinator_address``
+    (``host:port`` of process 0), ``num_processes`` and ``process_id`` name them explicitly (else from
+    ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``); ``distributed`` alone lets
+    ``jax.distributed.initialize()`` find them (TPU, SLURM, MPI, Kubernetes). ``heartbeat_s``: how long
+    the processes wait for a silent peer before they stop with an error."""
 
     data: int = -1
     fsdp: int = 1
     distributed: bool = False
+    coordinator_address: str = ""
+    num_processes: int = 0
+    process_id: int = -1
+    heartbeat_s: int = 100
+
+    def __post_init__(self):
+        _check(
+            "mesh",
+            [
+                ("num_processes", self.num_processes >= 0, "must be >= 0 (0 = from the environment)"),
+                ("process_id", self.process_id >= -1, "must be >= 0 (-1 = from the environment)"),
+                (
+                    "process_id",
+                    self.num_processes == 0 or self.process_id < self.num_processes,
+                    f"must be below mesh.num_processes ({self.num_processes})",
+                ),
+                ("heartbeat_s", self.heartbeat_s >= 1, "must be >= 1"),
+            ],
+        )
 
 
 @dataclasses.dataclass(frozen=True)
