@@ -220,6 +220,21 @@ def test_online_and_cached_features_give_the_same_batches(tmp_path, dtype):
         for x, y in zip(a, b, strict=True):
             assert x.dtype == y.dtype
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        # Lazy features (a process of a multi-process run) give each row range what the whole batch holds,
+        # with the shape and dtype announced before any row is computed: read from the cache bit for bit;
+        # from the target, run on fewer rows, equal up to rounding.
+        tol = dict(rtol=1e-2, atol=1e-2) if dtype == "bfloat16" else dict(rtol=1e-5, atol=1e-6)
+        for data, check in ((cached, np.testing.assert_array_equal), (online, None)):
+            lazy = data.batch_at(pos, lazy_features=True)
+            for got, want in ((lazy.aux_BTX, a.aux_BTX), (lazy.target_hidden_BTD, a.target_hidden_BTD)):
+                assert got.shape == want.shape and got.dtype == want.dtype
+                for part, sl in ((got[1:2], np.s_[1:2]), (got[0:1, :, :5], np.s_[0:1, :, :5])):
+                    want_part = np.asarray(want)[sl]
+                    if check is None:
+                        np.testing.assert_allclose(part.astype(np.float32), want_part.astype(np.float32), **tol)
+                    else:
+                        check(part, want_part)
+            assert len(lazy.aux_BTX.memo) == 2  # rows 1:2 and 0:1, each computed once for the pair
     # A second build over the same directory finds every chunk and recomputes nothing.
     again = build_cache(None, CFG, rows, tmp_path / "f", dtype=dtype, chunk_rows=B, progress=False)
     np.testing.assert_array_equal(np.asarray(again.rows([3])[0]), np.asarray(cache.rows([3])[0]))

@@ -74,21 +74,59 @@ class TrainData:
             params, r.tokens[idx], r.positions[idx], r.document[idx], cfg=cfg, dtype=self.feature_dtype
         )
 
-    def batch_at(self, pos: int) -> PEagleBatch:
+    def feature_spec(self) -> tuple[tuple[tuple[int, ...], np.dtype], tuple[tuple[int, ...], np.dtype]]:
+        """((shape, dtype) of one row's aux features, the same of its target hidden states), computing none."""
+        if self.features is not None:
+            return tuple((a.shape[1:], a.dtype) for a in self.features._chunk(0))
+        _, cfg = self.target
+        T, dtype = self.rows.tokens.shape[1], np.dtype(jnp.dtype(self.feature_dtype))
+        return ((T, len(cfg.aux_layer_ids) * cfg.hidden_size), dtype), ((T, cfg.hidden_size), dtype)
+
+    def batch_at(self, pos: int, *, lazy_features: bool = False) -> PEagleBatch:
+        """Batch ``pos``. ``lazy_features``: the features are :class:`LazyRows`, computed only for the rows
+        asked of them (a process of a multi-process run fills only its own devices' shards)."""
         idx = self.rows_at(pos)
         tokens, loss_mask, docs = (a[idx] for a in self.layout)
         elements = cod_batch(
             loss_mask, self.Y, num_depths=self.K, rng=np.random.default_rng((self.seed, 2, pos)), **self.cod
         )
-        aux, hidden = self.feature_rows(idx)
+        if lazy_features:
+            aux, hidden = LazyRows.pair(self, idx)
+        else:
+            aux, hidden = (jnp.asarray(a) for a in self.feature_rows(idx))
         return PEagleBatch(
             jnp.asarray(tokens),
-            jnp.asarray(aux),
-            jnp.asarray(hidden),
+            aux,
+            hidden,
             jnp.asarray(loss_mask),
             jnp.asarray(docs),
             *(jnp.asarray(a) for a in elements),
         )
+
+
+class LazyRows:
+    """One feature array of a batch (aux or target hidden) that is computed only for the rows indexed:
+    ``lazy[rows_slice, ...]`` computes (aux, hidden) for those batch rows once, shared by the pair.
+    :func:`peagle_jax.train.mesh.global_batch` indexes it with each local device's shard."""
+
+    def __init__(self, data: TrainData, idx: np.ndarray, which: int, shape: tuple[int, ...], dtype, memo: dict):
+        self.data, self.idx, self.which, self.shape, self.dtype, self.memo = data, idx, which, shape, dtype, memo
+        self.ndim = len(shape)
+
+    @classmethod
+    def pair(cls, data: TrainData, idx: np.ndarray) -> tuple[LazyRows, LazyRows]:
+        memo: dict = {}
+        return tuple(
+            cls(data, idx, i, (len(idx), *shape), dtype, memo) for i, (shape, dtype) in enumerate(data.feature_spec())
+        )
+
+    def __getitem__(self, index):
+        index = index if isinstance(index, tuple) else (index,)
+        rows = index[0] if index else slice(None)
+        key = rows.indices(len(self.idx))
+        if key not in self.memo:
+            self.memo[key] = self.data.feature_rows(self.idx[rows])
+        return np.asarray(self.memo[key][self.which])[(slice(None), *index[1:])]
 
 
 def split_rows(num_rows: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -163,10 +163,12 @@ def check_batch_size(batch_size: int, mesh: Mesh) -> None:
 
 def global_batch(batch, mesh: Mesh):
     """Host arrays of the global batch -> arrays sharded along rows; each device receives only its shard
-    (on a pod, each process only materialises its addressable shards)."""
+    (on a pod, each process only materialises its addressable shards, and computes or reads only their
+    rows of :class:`~peagle_jax.train.data.LazyRows` features)."""
+    from peagle_jax.train.data import LazyRows
 
     def put(x):
-        x = np.asarray(x)
+        x = x if isinstance(x, LazyRows) else np.asarray(x)
         return jax.make_array_from_callback(x.shape, batch_sharding(mesh, x.ndim), lambda idx: x[idx])
 
     return jax.tree.map(put, batch)

@@ -191,7 +191,13 @@ def evaluate(state, data: TrainData, head, embed, *, dcfg, tcfg, K, batches: int
     total = None
     for pos in range(batches):
         m = eval_step(
-            state.params, meshlib.global_batch(data.batch_at(pos), mesh), head, embed, cfg=dcfg, tcfg=tcfg, num_depths=K
+            state.params,
+            meshlib.global_batch(data.batch_at(pos, lazy_features=jax.process_count() > 1), mesh),
+            head,
+            embed,
+            cfg=dcfg,
+            tcfg=tcfg,
+            num_depths=K,
         )
         total = m if total is None else jax.tree.map(jnp.add, total, m)
     record = summarize(total, int(state.step))
@@ -323,7 +329,7 @@ def run(recipe: Recipe, output: str | Path, *, log=print) -> dict:
     record = eval_record = None
     end = tcfg.total_steps if not recipe.run.stop_after else min(tcfg.total_steps, first + recipe.run.stop_after)
     for step in range(first, end):
-        batch = train.batch_at(int(state.data_pos))
+        batch = train.batch_at(int(state.data_pos), lazy_features=jax.process_count() > 1)
         state, metrics = step_fn(state, meshlib.global_batch(batch, mesh), head, embed)
         tokens += int(np.asarray(batch.loss_mask_BT).sum())
         record = summarize(metrics, step)
