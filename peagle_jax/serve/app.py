@@ -149,7 +149,7 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
             req.top_k or 0,
             1.0 if req.top_p is None else req.top_p,
             seed,
-            state.stop_token_ids,
+            tuple(sorted(set(state.stop_token_ids) | set(req.stop_token_ids or ()))),
         )
         try:
             worker.engine.check(sreq)
@@ -220,7 +220,7 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        finish, produced = None, 0
+        finish, produced, answer = None, 0, []
         disconnected = asyncio.ensure_future(gone(request))  # watched beside the events, not in their gaps
         try:
             while finish is None:
@@ -236,6 +236,7 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
                         ev.status, ev.message, type="server_error" if ev.status >= 500 else "invalid_request_error"
                     )
                 produced += len(ev.tokens)
+                answer += ev.tokens
                 text.feed(ev.tokens, final=ev.finish_reason is not None)
                 finish = "stop" if text.stopped else ev.finish_reason
         finally:
@@ -244,7 +245,10 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
                 worker.cancel(sreq.id)
         metrics.tokens(len(sreq.prompt), produced)
         metrics.request(endpoint, "ok")
-        return JSONResponse(fmt.full(text.text, finish, produced))
+        body = fmt.full(text.text, finish, produced)
+        if req.return_token_ids:
+            body["choices"][0].update(prompt_token_ids=list(sreq.prompt), token_ids=answer)
+        return JSONResponse(body)
 
     async def completions(request: Request):
         return await generate(request, functools.partial(protocol.parse, CompletionRequest), "completions")

@@ -62,6 +62,10 @@ class _Common(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # Extensions (vLLM's names): token ids that end the answer besides the model's EOS, and the token ids of
+    # the prompt and the answer in each choice (``prompt_token_ids``, ``token_ids``), not streamed.
+    stop_token_ids: list[int] | None = None
+    return_token_ids: bool | None = None
     _ignored: list[str] = PrivateAttr(default_factory=list)  # set by parse()
 
     @property
@@ -202,6 +206,10 @@ def _check_common(req: _Common) -> None:
         raise APIError(400, f"top_k must be >= 0 (0 disables it), got {req.top_k}", param="top_k")
     if req.seed is not None and not -(2**63) <= req.seed < 2**64:
         raise APIError(400, "seed must be a 64-bit integer", param="seed")
+    if req.stop_token_ids is not None and any(t < 0 for t in req.stop_token_ids):
+        raise APIError(400, "stop_token_ids must be token ids (>= 0)", param="stop_token_ids")
+    if req.return_token_ids and req.stream:
+        raise APIError(400, "return_token_ids is answered without stream only", param="return_token_ids")
     stops = stop_strings(req)
     if len(stops) > MAX_STOP:
         raise APIError(400, f"at most {MAX_STOP} stop strings, got {len(stops)}", param="stop")

@@ -30,6 +30,7 @@ from peagle_jax.engine.generator import Generator
 from peagle_jax.models.config import ConfigError, ModelConfig
 from peagle_jax.train import mesh as meshlib
 from peagle_jax.train.data import TrainData, split_rows
+from peagle_jax.train.endpoints import EndpointGenerator, parse_endpoints
 from peagle_jax.train.features import build_cache
 from peagle_jax.train.loop import (
     append_jsonl,
@@ -165,7 +166,12 @@ def regenerated_records(recipe: Recipe, out: Path, cfg, params, tokenizer, log) 
     prompts = load_prompts(dc.prompts, dc.max_prompts or None)
     log(f"prompts: {len(prompts)} from {dc.prompts}")
     prompt_ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
-    gen = Generator(cfg, params, max_seq_len=dc.max_prompt_tokens + dc.max_new_tokens)
+    if dc.regen_endpoints:
+        urls = parse_endpoints(dc.regen_endpoints)
+        gen = EndpointGenerator(urls, concurrency=dc.regen_concurrency)
+        log(f"regenerating through {len(urls)} server(s) of {gen.model}: {', '.join(urls)}")
+    else:
+        gen = Generator(cfg, params, max_seq_len=dc.max_prompt_tokens + dc.max_new_tokens)
     stops = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     shards = regenerate(
         gen,

@@ -27,7 +27,10 @@ class DataConfig:
     per prompt, greedy at ``temperature`` 0, ``regen_batch`` prompts at a time, ``shard_size`` prompts per
     resumable shard) or ``dataset`` (the file's own first answer, cut at ``max_new_tokens``: no
     generation, the target's distribution still supervises every position); prompts longer than
-    ``max_prompt_tokens`` are skipped (counted in the log)."""
+    ``max_prompt_tokens`` are skipped (counted in the log). ``regen_endpoints``: comma-separated base URLs
+    of OpenAI-compatible servers of the same target (vLLM, ``python -m peagle_jax.serve``) that regenerate
+    instead of this process, ``regen_concurrency`` requests at a time per server
+    (:mod:`peagle_jax.train.endpoints`)."""
 
     prompts: str = "sharegpt"
     responses: str = "regenerate"
@@ -37,6 +40,8 @@ class DataConfig:
     temperature: float = 0.0
     regen_batch: int = 8
     shard_size: int = 64
+    regen_endpoints: str = ""
+    regen_concurrency: int = 8
 
     def __post_init__(self):
         _check(
@@ -49,6 +54,16 @@ class DataConfig:
                 ("temperature", self.temperature >= 0, "must be >= 0"),
                 ("regen_batch", self.regen_batch >= 1, "must be >= 1"),
                 ("shard_size", self.shard_size >= 1, "must be >= 1"),
+                ("regen_concurrency", self.regen_concurrency >= 1, "must be >= 1"),
+                (
+                    "regen_endpoints",
+                    all(
+                        u.strip().startswith(("http://", "https://"))
+                        for u in self.regen_endpoints.split(",")
+                        if u.strip()
+                    ),
+                    f"must be comma-separated http:// or https:// URLs, got {self.regen_endpoints!r}",
+                ),
             ],
         )
 
