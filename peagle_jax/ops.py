@@ -24,10 +24,10 @@ SMALL_ROWS = 512
 
 # The precision of every fp32 product on the decode path (up to ``SMALL_ROWS`` rows: decode, verify and draft
 # steps): full fp32. A GPU's default runs fp32 products in TF32 (a TPU's in one bf16 pass), which rounds a
-# decode step and a verify of the same token differently enough to flip greedy choices: on an H200, P-EAGLE's
-# greedy output differed from plain decoding on 2 of 16 MT-Bench answers at the default precision and on none
-# at this one. The CPU computes fp32 products in full precision either way. Larger products (prefill chunks,
-# training batches) keep the backend's default.
+# decode step and a verify of the same token differently enough to flip greedy choices: on an NVIDIA H200,
+# P-EAGLE's greedy output parted from plain decoding on some MT-Bench answers at the default precision and on
+# none at this one. The CPU computes fp32 products in full precision either way. Larger products (prefill
+# chunks, training batches) keep the backend's default.
 EXACT = jax.lax.Precision.HIGHEST
 
 
