@@ -91,6 +91,35 @@ def test_streaming_equals_plain_responses(server, client):
     assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]) == full_text(client, kw)
 
 
+def test_n_choices_and_prompt_lists_equal_their_single_requests(client):
+    """Choice j of a prompt is the single request with seed + j; prompt i's choices are i*n .. i*n+n-1;
+    usage counts each prompt once; streamed choices carry their index and join to the same texts."""
+    kw = dict(model="tiny", max_tokens=10, temperature=0.9, seed=40)
+    prompts = ["ab", "cd e"]
+    for listed in (prompts, [[5, 6, 7], [8, 9]]):  # strings, or token-id lists as lm-evaluation-harness sends
+        many = client.completions.create(prompt=listed, n=2, **kw)
+        assert [c.index for c in many.choices] == list(range(4))
+        singles = []
+        for p in listed:
+            for j in range(2):
+                singles.append(client.completions.create(prompt=p, **{**kw, "seed": 40 + j}))
+        assert [c.text for c in many.choices] == [s.choices[0].text for s in singles]
+        assert many.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles[::2])
+        assert many.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    many = client.completions.create(prompt=prompts, n=2, **kw)
+    assert len({c.text for c in many.choices[:2]}) == 2  # other seeds, other samples
+    chunks = list(client.completions.create(prompt=prompts[:2], n=2, stream=True, **kw))
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(4)]
+    assert texts == [c.text for c in many.choices[:4]]
+    assert sum(c.choices[0].finish_reason is not None for c in chunks) == 4 and chunks[-1].usage is not None
+    msgs = [{"role": "user", "content": "Why?"}]
+    chat = client.chat.completions.create(model="tiny", messages=msgs, n=3, max_tokens=8, temperature=0)
+    assert [c.index for c in chat.choices] == [0, 1, 2] and len({c.message.content for c in chat.choices}) == 1
+    one = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content == one.choices[0].message.content
+    assert chat.usage.prompt_tokens == one.usage.prompt_tokens
+
+
 def full_text(client, kw):
     return client.completions.create(**kw).choices[0].text
 
@@ -145,9 +174,11 @@ BAD = {
     "prompt_longer_than_context": ("/v1/completions", {"prompt": "y" * (MAX_SEQ + 5)}),
     "unknown_model": ("/v1/completions", {"model": "gpt-4", "prompt": "x"}),
     "missing_model": ("/v1/completions", {"model": None, "prompt": "x"}),
-    "n_2": ("/v1/completions", {"prompt": "x", "n": 2}),
+    "n_0": ("/v1/completions", {"prompt": "x", "n": 0}),
+    "n_too_large": ("/v1/completions", {"prompt": ["a", "b"], "n": 100}),
+    "n_beyond_slots_and_queue": ("/v1/completions", {"prompt": "x", "n": 50}),
     "logprobs": ("/v1/completions", {"prompt": "x", "logprobs": 3}),
-    "two_prompts": ("/v1/completions", {"prompt": ["a", "b"]}),
+    "empty_token_prompt_in_list": ("/v1/completions", {"prompt": [[1, 2], []]}),
     "empty_prompt_list": ("/v1/completions", {"prompt": []}),
     "top_p_zero": ("/v1/completions", {"prompt": "x", "top_p": 0}),
     "negative_temperature": ("/v1/completions", {"prompt": "x", "temperature": -1}),
@@ -401,7 +432,7 @@ def _request_bodies():
         "seed": st.integers(-(2**63), 2**63 - 1),
         "stop": st.one_of(text.filter(bool), st.lists(text.filter(bool), max_size=4)),
         "stream": st.booleans(),
-        "n": st.just(1),
+        "n": st.integers(1, 2),
     }
     invalid = {
         "model": st.one_of(st.just("other"), st.integers()),
@@ -412,7 +443,7 @@ def _request_bodies():
         "seed": st.one_of(st.integers(min_value=2**64), st.floats(0.5, 1.5)),
         "stop": st.one_of(st.just(""), st.lists(text, min_size=5, max_size=6), st.integers()),
         "stream": st.one_of(st.just("yes"), st.integers(2, 3)),
-        "n": st.integers(2, 5),
+        "n": st.one_of(st.integers(max_value=0), st.integers(min_value=129), st.just("2")),
         "prompt": st.one_of(st.just([]), st.lists(st.integers(128, 10**6), min_size=1, max_size=3), st.just({})),
         "messages": st.one_of(st.just([]), st.just([{"role": "robot", "content": "x"}]), st.just([{"role": "user"}])),
         "logit_bias": st.just({"5": 1.0}),
@@ -455,7 +486,9 @@ def test_fuzz_request_schema(server):
             assert events[-1] == "data: [DONE]" and "usage" in json.loads(events[-2][6:])
         elif status == 200:
             out = json.loads(raw)
-            assert out["choices"][0]["finish_reason"] in ("stop", "length") and out["usage"]["total_tokens"] >= 1
+            assert [c["index"] for c in out["choices"]] == list(range(body.get("n", 1)))
+            assert all(c["finish_reason"] in ("stop", "length") for c in out["choices"])
+            assert out["usage"]["total_tokens"] >= 1
         else:
             assert 400 <= status < 500 and json.loads(raw)["error"]["message"], (body, raw)
 

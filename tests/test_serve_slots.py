@@ -116,6 +116,33 @@ def test_plain_slots_equal_generator(models, max_batch, monkeypatch):
     assert engine.overlapped > engine.steps_by_k[0] // 2 and (max_batch == 1 or merges)
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_the_choices_of_one_request_share_its_prefill(models, speculative, monkeypatch):
+    """n = 3 choices of one prompt (a request group, other seeds) run one prefill; each equals the same
+    request run alone with its seed. A group admitted while slots run out waits and still shares it."""
+    params, dparams = models
+    plain = Generator(CFG, params, max_seq_len=MAX_SEQ)
+    gen = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, max_seq_len=MAX_SEQ) if speculative else plain
+    engine = SlotEngine(gen, 2)
+    name = "prefill_both" if speculative else "prefill"
+    calls = []
+    real = getattr(type(gen), name)
+    monkeypatch.setattr(type(gen), name, lambda self, *a, **k: calls.append(a) or real(self, *a, **k))
+    prompt = [1, 2, 3, 4, 0, 1]
+    group = [SlotRequest(prompt, 12, 0.9, 0, 1.0, 5 + j, [], group=77, group_size=3) for j in range(3)]
+    out = {r.id: [] for r in group}
+    waiting = list(group)
+    while waiting or engine.active:
+        if waiting and engine.free:
+            ev = engine.admit(waiting.pop(0))
+            out[ev.request.id] += ev.tokens
+        for ev in engine.step():
+            out[ev.request.id] += ev.tokens
+    assert len(calls) == 1 and engine._shared is None
+    for j, r in enumerate(group):
+        assert out[r.id] == _reference(plain, (prompt, 12, 0.9, 0, 1.0, 5 + j, [])), j
+
+
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_outputs_do_not_change_while_graphs_come_online(models, adaptive):
     """A server's start: the engine compiled only the first tasks (admissions and the plain step at the

@@ -28,7 +28,7 @@ from starlette.routing import Route
 from peagle_jax.engine.generator import RequestError
 from peagle_jax.serve import protocol
 from peagle_jax.serve.protocol import APIError, ChatRequest, CompletionRequest
-from peagle_jax.serve.slots import SlotRequest
+from peagle_jax.serve.slots import SlotRequest, next_request_id
 from peagle_jax.serve.worker import EngineWorker, Failure, QueueFull
 
 log = logging.getLogger("peagle_jax.serve")
@@ -88,7 +88,15 @@ def _error(err: APIError) -> JSONResponse:
 def build_app(state: ServerState, lifespan=None) -> Starlette:
     worker, metrics = state.worker, state.worker.metrics
 
-    def prompt_ids(req) -> list[int]:
+    def encode(prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if state.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
+            return list(state.tokenizer.encode(prompt))
+        return list(prompt)
+
+    def prompt_ids(req) -> list[list[int]]:
+        """The token ids of each prompt: one for chat, one per prompt of a completions list."""
         tok = state.tokenizer
         if isinstance(req, ChatRequest):
             if tok is None or not getattr(tok, "chat_template", None):
@@ -98,17 +106,12 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
                 ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
             except Exception as err:  # noqa: BLE001 - a template may refuse a conversation (e.g. role order)
                 raise APIError(400, f"the chat template refused these messages: {err}", param="messages") from None
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        prompt = req.prompt
-        if isinstance(prompt, list) and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if tok is None:
-                raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
-            return list(tok.encode(prompt))
-        return list(prompt)
+            return [list(ids["input_ids"] if hasattr(ids, "keys") else ids)]
+        return [encode(p) for p in protocol.prompt_list(req)]
 
-    def slot_request(req) -> SlotRequest:
+    def slot_requests(req) -> list[SlotRequest]:
+        """One SlotRequest per choice, in choice order: prompt i's choice j is choice ``i * n + j``, with seed
+        ``seed + j``; the n choices of a prompt share its prefill."""
         if req.model != state.model_name:
             raise APIError(
                 404,
@@ -116,7 +119,24 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
                 param="model",
                 code="model_not_found",
             )
-        ids = prompt_ids(req)
+        n = req.n or 1
+        seed = secrets.randbits(32) if req.seed is None else req.seed
+        out = []
+        for ids in prompt_ids(req):
+            first = slot_request(req, ids, seed, n)
+            out += [first]
+            out += [dataclasses.replace(first, seed=(seed + j) & 0xFFFFFFFF, id=next_request_id()) for j in range(1, n)]
+        room = worker.engine.B + worker.max_queue
+        if len(out) > room:
+            raise APIError(
+                400,
+                f"{len(out)} choices (n times the prompts) is more than this server holds at once ({room}: "
+                "its slots and its queue)",
+                param="n",
+            )
+        return out
+
+    def slot_request(req, ids: list[int], seed: int, n: int) -> SlotRequest:
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
         room = state.max_seq_len - len(ids)
@@ -141,15 +161,16 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
                 code="context_length_exceeded",
             )
         temperature = 1.0 if req.temperature is None else float(req.temperature)
-        seed = secrets.randbits(32) if req.seed is None else req.seed & 0xFFFFFFFF
         sreq = SlotRequest(
             ids,
             max_tokens,
             temperature,
             req.top_k or 0,
             1.0 if req.top_p is None else req.top_p,
-            seed,
+            seed & 0xFFFFFFFF,
             tuple(sorted(set(state.stop_token_ids) | set(req.stop_token_ids or ()))),
+            group=next_request_id() if n > 1 else None,
+            group_size=n,
         )
         try:
             worker.engine.check(sreq)
@@ -198,12 +219,17 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
         req = await asyncio.to_thread(parse, body)
         if req.ignored:
             log.warning("%s: ignoring fields the OpenAI API does not define: %s", endpoint, ", ".join(req.ignored))
-        sreq = await asyncio.to_thread(slot_request, req)
+        sreqs = await asyncio.to_thread(slot_requests, req)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
+        submitted = []
         try:
-            worker.submit(sreq, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+            for sreq in sreqs:
+                worker.submit(sreq, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+                submitted.append(sreq)
         except QueueFull:
+            for sreq in submitted:
+                worker.cancel(sreq.id)
             raise APIError(
                 429,
                 "the server is at capacity; retry later",
@@ -211,19 +237,21 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
                 code="queue_full",
                 headers={"Retry-After": str(state.retry_after_s)},
             ) from None
-        text = TextStream(state.tokenizer, protocol.stop_strings(req))
+        stops = protocol.stop_strings(req)
+        choices = [_Choice(i, sreq, TextStream(state.tokenizer, stops)) for i, sreq in enumerate(sreqs)]
         rid = ("chatcmpl-" if isinstance(req, ChatRequest) else "cmpl-") + secrets.token_hex(12)
-        fmt = _Formatter(rid, state.model_name, isinstance(req, ChatRequest), len(sreq.prompt))
+        prompt_tokens = sum(len(c.sreq.prompt) for c in choices[:: req.n or 1])  # each prompt counted once
+        fmt = _Formatter(rid, state.model_name, isinstance(req, ChatRequest), prompt_tokens)
         if req.stream:
             return StreamingResponse(
-                _sse(worker, sreq, events, text, fmt, metrics, endpoint),
+                _sse(worker, choices, events, fmt, metrics, endpoint),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        finish, produced, answer = None, 0, []
+        by_id = {c.sreq.id: c for c in choices}
         disconnected = asyncio.ensure_future(gone(request))  # watched beside the events, not in their gaps
         try:
-            while finish is None:
+            while any(c.finish is None for c in choices):
                 next_event = asyncio.ensure_future(events.get())
                 await asyncio.wait((next_event, disconnected), return_when=asyncio.FIRST_COMPLETED)
                 if not next_event.done():
@@ -235,20 +263,20 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
                     raise APIError(
                         ev.status, ev.message, type="server_error" if ev.status >= 500 else "invalid_request_error"
                     )
-                produced += len(ev.tokens)
-                answer += ev.tokens
-                text.feed(ev.tokens, final=ev.finish_reason is not None)
-                finish = "stop" if text.stopped else ev.finish_reason
+                choice = by_id.get(ev.request.id)
+                if choice is not None and choice.finish is None:
+                    choice.feed(ev)
+                    if choice.text.stopped:  # a stop string: the slot is freed now, not when the others end
+                        worker.cancel(choice.sreq.id)
         finally:
             disconnected.cancel()
-            if finish is None or text.stopped:
-                worker.cancel(sreq.id)
-        metrics.tokens(len(sreq.prompt), produced)
+            for c in choices:
+                if c.finish is None:
+                    worker.cancel(c.sreq.id)
+        produced = sum(c.produced for c in choices)
+        metrics.tokens(prompt_tokens, produced)
         metrics.request(endpoint, "ok")
-        body = fmt.full(text.text, finish, produced)
-        if req.return_token_ids:
-            body["choices"][0].update(prompt_token_ids=list(sreq.prompt), token_ids=answer)
-        return JSONResponse(body)
+        return JSONResponse(fmt.full(choices, produced, token_ids=bool(req.return_token_ids)))
 
     async def completions(request: Request):
         return await generate(request, functools.partial(protocol.parse, CompletionRequest), "completions")
@@ -343,60 +371,91 @@ class _Formatter:
     def _head(self, obj: str) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, text: str, finish: str, produced: int) -> dict:
-        if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish,
-            }
-            return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage(produced)}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return {**self._head("text_completion"), "choices": [choice], "usage": self.usage(produced)}
+    def full(self, choices: list[_Choice], produced: int, *, token_ids: bool = False) -> dict:
+        out = []
+        for c in choices:
+            if self.chat:
+                choice = {"index": c.index, "message": {"role": "assistant", "content": c.text.text}}
+            else:
+                choice = {"index": c.index, "text": c.text.text}
+            choice.update(logprobs=None, finish_reason=c.finish)
+            if token_ids:
+                choice.update(prompt_token_ids=list(c.sreq.prompt), token_ids=c.tokens)
+            out.append(choice)
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": out, "usage": self.usage(produced)}
 
-    def chunk(self, delta: str, finish: str | None = None, produced: int | None = None, first=False) -> str:
+    def chunk(self, delta: str, finish: str | None = None, produced: int | None = None, first=False, index=0) -> str:
         if self.chat:
             d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
-            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": d, "logprobs": None, "finish_reason": finish}
             obj = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
             obj = {
                 **self._head("text_completion"),
-                "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}],
+                "choices": [{"index": index, "text": delta, "logprobs": None, "finish_reason": finish}],
             }
         if produced is not None:
             obj["usage"] = self.usage(produced)
         return f"data: {json.dumps(obj)}\n\n"
 
 
-async def _sse(worker, sreq, events, text: TextStream, fmt: _Formatter, metrics, endpoint):
-    """Server-sent events: a first chunk, one per step with new text, a last one with the finish reason and
-    usage, then ``data: [DONE]``. If the client goes away the task is cancelled and ``finally`` frees the
-    slot."""
-    finish, produced = None, 0
+@dataclasses.dataclass
+class _Choice:
+    """One choice of a request: its slot request, text, tokens and finish reason."""
+
+    index: int
+    sreq: SlotRequest
+    text: TextStream
+    produced: int = 0
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    finish: str | None = None
+
+    def feed(self, ev) -> str:
+        """Take one event's tokens; returns the text that is safe to send."""
+        self.produced += len(ev.tokens)
+        self.tokens += ev.tokens
+        delta = self.text.feed(ev.tokens, final=ev.finish_reason is not None)
+        self.finish = "stop" if self.text.stopped else ev.finish_reason
+        return delta
+
+
+async def _sse(worker, choices: list[_Choice], events, fmt: _Formatter, metrics, endpoint):
+    """Server-sent events: a first chunk per choice (chat), one per step and choice with new text, one with
+    each choice's finish reason (the last of them also carries usage), then ``data: [DONE]``. If the client
+    goes away the task is cancelled and ``finally`` frees the slots."""
+    by_id = {c.sreq.id: c for c in choices}
+    failed = False
     try:
         if fmt.chat:
-            yield fmt.chunk("", first=True)
-        while finish is None:
+            for c in choices:
+                yield fmt.chunk("", first=True, index=c.index)
+        while any(c.finish is None for c in choices):
             ev = await events.get()
             if isinstance(ev, Failure):
                 body = APIError(ev.status, ev.message, type="server_error").body()
                 yield f"data: {json.dumps(body)}\n\n"
                 metrics.request(endpoint, "error")
-                finish = "error"
+                failed = True
                 return
-            produced += len(ev.tokens)
-            delta = text.feed(ev.tokens, final=ev.finish_reason is not None)
-            finish = "stop" if text.stopped else ev.finish_reason
-            if delta and finish is None:
-                yield fmt.chunk(delta)
-        yield fmt.chunk(delta, finish, produced)
+            c = by_id.get(ev.request.id)
+            if c is None or c.finish is not None:
+                continue
+            delta = c.feed(ev)
+            if c.finish is None:
+                if delta:
+                    yield fmt.chunk(delta, index=c.index)
+                continue
+            if c.text.stopped:
+                worker.cancel(c.sreq.id)
+            last = all(x.finish is not None for x in choices)
+            yield fmt.chunk(delta, c.finish, sum(x.produced for x in choices) if last else None, index=c.index)
         yield "data: [DONE]\n\n"
-        metrics.tokens(len(sreq.prompt), produced)
+        metrics.tokens(fmt.prompt_tokens, sum(c.produced for c in choices))
         metrics.request(endpoint, "ok")
     finally:
-        if finish is None or text.stopped:
-            worker.cancel(sreq.id)
-            if finish is None:
-                metrics.request(endpoint, "client_gone")
+        unfinished = [c for c in choices if c.finish is None]
+        for c in unfinished:
+            worker.cancel(c.sreq.id)
+        if unfinished and not failed:
+            metrics.request(endpoint, "client_gone")

@@ -17,6 +17,7 @@ import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 MAX_STOP = 4  # stop strings per request, as the OpenAI API
+MAX_CHOICES = 128  # choices per request: n, times the prompts of a completions request
 
 
 class APIError(Exception):
@@ -75,7 +76,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = None
     best_of: int | None = None
@@ -165,8 +166,11 @@ def parse(schema: type[_Common], body: bytes) -> _Common:
         _refuse(req.suffix not in (None, ""), "suffix")
         if isinstance(req.prompt, list) and not req.prompt:
             raise APIError(400, "prompt is empty", param="prompt")
-        if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) and len(req.prompt) > 1:
-            raise APIError(400, "one prompt per request (a list of one string at most)", param="prompt")
+        if isinstance(req.prompt, list) and isinstance(req.prompt[0], list) and not all(req.prompt):
+            raise APIError(400, "prompt: a token-id prompt of the list is empty", param="prompt")
+        choices = (req.n or 1) * len(prompt_list(req))
+        if choices > MAX_CHOICES:
+            raise APIError(400, f"n times the prompts is {choices} choices; at most {MAX_CHOICES}", param="n")
     else:
         _refuse(req.logprobs not in (None, False), "logprobs")
         _refuse(req.top_logprobs not in (None, 0), "top_logprobs")
@@ -192,7 +196,8 @@ def _refuse(cond: bool, param: str, what: str = "is not supported by this server
 
 
 def _check_common(req: _Common) -> None:
-    _refuse(req.n not in (None, 1), "n", "must be 1 (one choice per request)")
+    if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
+        raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {req.n}", param="n")
     _refuse(req.presence_penalty not in (None, 0), "presence_penalty")
     _refuse(req.frequency_penalty not in (None, 0), "frequency_penalty")
     _refuse(bool(req.logit_bias), "logit_bias")
@@ -215,6 +220,14 @@ def _check_common(req: _Common) -> None:
         raise APIError(400, f"at most {MAX_STOP} stop strings, got {len(stops)}", param="stop")
     if any(s == "" for s in stops):
         raise APIError(400, "stop strings must not be empty", param="stop")
+
+
+def prompt_list(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completions request: one string or token-id list each."""
+    p = req.prompt
+    if isinstance(p, str) or (p and isinstance(p[0], int)):
+        return [p]
+    return list(p)
 
 
 def stop_strings(req: _Common) -> list[str]:

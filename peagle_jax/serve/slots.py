@@ -66,10 +66,16 @@ from peagle_jax.spec.tree import Tree, chain
 _ids = itertools.count(1)
 
 
+def next_request_id() -> int:
+    """A new request id (also used to name a request group)."""
+    return next(_ids)
+
+
 @dataclasses.dataclass
 class SlotRequest:
     """One generation request: token ids in, at most ``max_new_tokens`` out, stopping after any of
-    ``stop_token_ids`` (None: the model's EOS ids)."""
+    ``stop_token_ids`` (None: the model's EOS ids). ``group`` / ``group_size``: the choices of one API request
+    with ``n`` > 1 (the same prompt, other seeds) share one prefill (:meth:`SlotEngine.admit`)."""
 
     prompt: Sequence[int]
     max_new_tokens: int
@@ -78,7 +84,9 @@ class SlotRequest:
     top_p: float = 1.0
     seed: int = 0
     stop_token_ids: Sequence[int] | None = None
-    id: int = dataclasses.field(default_factory=lambda: next(_ids))
+    group: int | None = None
+    group_size: int = 1
+    id: int = dataclasses.field(default_factory=next_request_id)
 
 
 @dataclasses.dataclass
@@ -247,6 +255,9 @@ class SlotEngine:
             self.pending = np.zeros(B, np.int32)  # the token each row feeds next, at ``positions``
             self.positions = np.zeros(B, np.int32)
         self.slots = [None] * B
+        # (group, prefill outputs, members still to admit) of the request group being admitted: its members
+        # arrive one after another (the worker admits in order), so one entry is enough
+        self._shared: list | None = None
         self._launched: Launched | None = None  # a plain step not read yet
         self._chosen: tuple[int, Tree] | None = None  # (rows, tree) chosen while it ran, for the next step
         self._t_read = self._t_admit = 0.0  # when a step's tokens were last read; when a request was admitted
@@ -313,23 +324,38 @@ class SlotEngine:
     # -- requests ----------------------------------------------------------------------------------------
 
     def admit(self, req: SlotRequest) -> SlotEvent:
-        """Prefill ``req`` into a free slot and return its first token's event (which may already finish it)."""
+        """Prefill ``req`` into a free slot and return its first token's event (which may already finish it).
+        The members of a request group after the first reuse its prefill (the prompt's cache rows are copied
+        into their slots) and sample their first token with their own seed."""
         self.check(req)
         b = self.slots.index(None)
         gen, prompt = self.gen, list(req.prompt)
         sampling = SamplingParams.make(1, req.temperature, req.top_k, req.top_p)
         seed = jnp.asarray([req.seed], jnp.uint32)
         greedy = greedy_graph(req.temperature)
-        if self.speculative:
+        grouped = req.group is not None and self._shared is not None and self._shared[0] == req.group
+        shared = self._shared if grouped else None
+        if shared is not None:
+            prefilled = shared[1]
+            shared[2] -= 1
+            if shared[2] <= 0:
+                self._shared = None
+        elif self.speculative:
             live = np.array([s is not None or i == b for i, s in enumerate(self.slots)])
             R = self.rows_for(live)
             # The drafter is kept current where drafting pays, or where an exploration is due: it measures
             # the acceptance on this row (AdaptiveK.explore_due), so a low estimate can still recover.
             synced = not self.lazy or self.policy.pays(R) or self.policy.explore_due(R)
-            logits, cache1, dcache1, aux1 = gen.prefill_both([prompt], 1, drafter=synced)
+            prefilled = gen.prefill_both([prompt], 1, drafter=synced)
             self.unsynced_admits += not synced
         else:
-            logits, cache1 = gen.prefill([prompt], 1)
+            prefilled = gen.prefill([prompt], 1)
+        if shared is None and req.group is not None and req.group_size > 1:
+            self._shared = [req.group, prefilled, req.group_size - 1]
+        if self.speculative:
+            logits, cache1, dcache1, aux1 = prefilled
+        else:
+            logits, cache1 = prefilled
         first = int(sample_jit(logits, sampling, seed, jnp.asarray([len(prompt)], jnp.int32), greedy_only=greedy)[0])
         self.cache = put_row(self.cache, cache1, jnp.int32(b))
         if self.speculative:
