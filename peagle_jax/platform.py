@@ -35,6 +35,8 @@ INSTALL = {
     "tpu": "pip install 'jax[tpu]==0.10.2' (on a Cloud TPU VM)",
     "gpu": "pip install 'jax[cuda12]==0.10.2' (on a machine with an NVIDIA GPU and driver)",
 }
+# The folder of a model directory that holds its compiled graphs (JAX's persistent compilation cache).
+ARTIFACT_CACHE = "jax-cache"
 # jax_platforms names: jax calls the CUDA backend "cuda"; the jax-neuronx plugin registers "neuron".
 JAX_NAME = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu", "neuron": "neuron"}
 
@@ -91,6 +93,48 @@ def configure_caches(compilation_cache: str | Path | None, platform: str) -> Non
             os.environ["NEURON_CC_FLAGS"] = f"--cache_dir={neuron_cache}"
 
 
+_CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": "hits", "/jax/compilation_cache/cache_misses": "misses"}
+_cache_counts = {"hits": 0, "misses": 0}
+_listening = False
+
+
+def compilation_cache_counts() -> dict[str, int]:
+    """Graphs this process found in JAX's persistent compilation cache (``hits``) and compiled because they
+    were not there (``misses``), since :func:`count_cache_lookups` started counting."""
+    return dict(_cache_counts)
+
+
+def count_cache_lookups() -> None:
+    """Count the persistent cache's hits and misses (JAX's monitoring events), once per process."""
+    global _listening
+    if _listening:
+        return
+    from jax import monitoring
+
+    def on_event(event: str, **_) -> None:
+        if event in _CACHE_EVENTS:
+            _cache_counts[_CACHE_EVENTS[event]] += 1
+
+    monitoring.register_event_listener(on_event)
+    _listening = True
+
+
+def artifact_cache(model_dir: str | Path) -> Path | None:
+    """``MODEL/jax-cache``, the compiled graphs a model artifact brings (``serve --warmup-only``), as a
+    directory the cache can write to: itself where writable, else a copy in ``<cache root>/jax-cache-artifact``
+    (SageMaker mounts ``/opt/ml/model`` read-only; a graph the artifact lacks is then still written)."""
+    import shutil
+
+    source = Path(model_dir) / ARTIFACT_CACHE
+    if not source.is_dir():
+        return None
+    if os.access(source, os.W_OK):
+        return source
+    copy = cache_root() / "jax-cache-artifact"
+    shutil.copytree(source, copy, dirs_exist_ok=True)
+    return copy
+
+
 def select_platform(platform: str, *, compilation_cache: str | Path | None = None):
     """Make ``platform`` JAX's only backend, configure the caches, and return its devices.
 
@@ -105,6 +149,7 @@ def select_platform(platform: str, *, compilation_cache: str | Path | None = Non
 
     jax.config.update("jax_platforms", JAX_NAME[platform])
     configure_caches(compilation_cache, platform)
+    count_cache_lookups()
     try:
         devices = jax.devices()
     except RuntimeError as err:

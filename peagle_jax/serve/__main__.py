@@ -109,7 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--compilation-cache",
-        help="JAX persistent compilation cache directory, or 'none' to disable (default ~/.cache/peagle_jax/jax-cache)",
+        help="JAX persistent compilation cache directory, or 'none' to disable (default: MODEL/jax-cache when the "
+        "model directory brings one, see --warmup-only; else ~/.cache/peagle_jax/jax-cache)",
+    )
+    p.add_argument(
+        "--warmup-only",
+        action="store_true",
+        help="compile every graph these flags serve into the compilation cache and exit without serving; with "
+        "--compilation-cache MODEL/jax-cache the model directory brings its compiled graphs (a SageMaker or "
+        "Neuron endpoint then compiles nothing at start; run it on the instance type and software that serve)",
     )
     p.add_argument(
         "--dtype",
@@ -137,14 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def select_platform(platform: str, compilation_cache: str | None) -> None:
+def select_platform(platform: str, compilation_cache: str | None, model: str | None = None) -> str | None:
     """Point JAX at ``platform`` (and its compilation caches) before anything touches a device: the shared
-    :func:`peagle_jax.platform.select_platform`, as ``generate`` does."""
-    from peagle_jax.platform import default_cache_dir
+    :func:`peagle_jax.platform.select_platform`, as ``generate`` does. Without ``compilation_cache``, a model
+    directory's own ``jax-cache`` (its compiled graphs, :func:`peagle_jax.platform.artifact_cache`) comes
+    first, then the default. Returns the cache directory used (None: disabled)."""
+    from peagle_jax.platform import artifact_cache, default_cache_dir
     from peagle_jax.platform import select_platform as select
 
-    cache = compilation_cache or default_cache_dir()
-    select(platform, compilation_cache=None if str(cache) == "none" else cache)
+    cache = compilation_cache or (model and model != "smollm2" and artifact_cache(model)) or default_cache_dir()
+    cache = None if str(cache) == "none" else str(cache)
+    select(platform, compilation_cache=cache)
+    return cache
 
 
 def resolve(args) -> argparse.Namespace:
@@ -243,18 +255,47 @@ def main(argv=None) -> int:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         args = resolve(args)
-        sock = listen_socket(args.host, args.port)  # a taken port is said at once, before anything loads
-        args.port = sock.getsockname()[1]
-        select_platform(args.platform, args.compilation_cache)
+        sock = None
+        if not args.warmup_only:
+            sock = listen_socket(args.host, args.port)  # a taken port is said at once, before anything loads
+            args.port = sock.getsockname()[1]
+        args.compilation_cache = select_platform(args.platform, args.compilation_cache, args.model)
         gen, tokenizer, stops, name = load(args)
         from peagle_jax.serve.slots import SlotEngine
 
         engine = SlotEngine(gen, args.max_batch, load_k=args.load_k, adaptive=args.adaptive_k)
         engine.overlap = not args.sync_steps
+        if args.warmup_only:
+            return warmup_only(args, engine)
     except (UserError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return serve(args, engine, tokenizer, stops, name, sock)
+
+
+def warmup_only(args, engine) -> int:
+    """``--warmup-only``: compile every graph of the server into the compilation cache, say how many were
+    already there, and exit 0."""
+    from tqdm import tqdm
+
+    from peagle_jax.platform import compilation_cache_counts
+
+    if args.compilation_cache is None:
+        raise UserError("--warmup-only needs a compilation cache (not --compilation-cache none)")
+    with tqdm(desc="compile", unit="graph", disable=None) as bar:
+
+        def progress(done, total):
+            bar.total = total
+            bar.n = done
+            bar.refresh()
+
+        seconds = engine.warmup(progress, calibrate=False)
+    counts = compilation_cache_counts()
+    print(
+        f"compiled {counts['misses']} graphs into {args.compilation_cache} in {seconds:.1f} s "
+        f"({counts['hits']} were there already); serve with the same flags and this cache to compile none"
+    )
+    return 0
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -289,6 +330,8 @@ def serve(args, engine, tokenizer, stops, name, sock: socket.socket | None = Non
     worker = EngineWorker(engine, max_queue=args.max_queue, metrics=metrics)
     metrics.queue_depth = lambda: worker.queue_depth
     metrics.graphs = lambda: (worker.graphs_compiled, worker.graphs_pending, worker.compile_s)
+    if args.compilation_cache is not None:
+        log.info("compilation cache: %s", args.compilation_cache)
     metrics.active_slots = lambda: engine.active
     state = ServerState(
         worker, tokenizer, name, args.max_seq_len, stops, max_body_bytes=args.max_body_size, api_key=args.api_key

@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from peagle_jax.platform import compilation_cache_counts
+
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 PREFIX = "peagle"
 
@@ -111,6 +113,13 @@ class Metrics:
         )
         seconds = [("", {}, f"{compile_s:.3f}")]
         family("compile_seconds", "gauge", "Seconds spent compiling the warm-up graphs so far.", seconds)
+        counts = compilation_cache_counts()
+        family(
+            "compilation_cache_lookups_total",
+            "counter",
+            "Graphs found in the persistent compilation cache (hit) or compiled because they were not (miss).",
+            [("", {"result": "hit"}, counts["hits"]), ("", {"result": "miss"}, counts["misses"])],
+        )
         spec = self.spec_stats
         if spec is not None:
             forwards = spec.target_forwards
