@@ -21,6 +21,7 @@ import numpy as np
 from peagle_jax.engine.buckets import BATCH_BUCKETS, ONE_ROW_PAD, PREFILL_BUCKETS, WINDOW_BUCKETS, bucket
 from peagle_jax.engine.overlap import Launched, launch_then_read
 from peagle_jax.errors import UserError
+from peagle_jax.logprobs import token_logprobs
 from peagle_jax.models import model
 from peagle_jax.models.config import ModelConfig
 from peagle_jax.sampling import SamplingParams, greedy_graph, sample
@@ -30,11 +31,18 @@ class RequestError(UserError):
     """A request that cannot be served as given (too long, empty, ...); the message says why."""
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "greedy_only", "window"), donate_argnames=("cache",))
-def decode_step(params, cache, tokens_B, positions_B, seeds_B, sampling: SamplingParams, *, cfg, greedy_only, window):
-    """Feed one token per row at its position, sample the next. Returns (next tokens [B], cache)."""
+@functools.partial(jax.jit, static_argnames=("cfg", "greedy_only", "window", "logprobs"), donate_argnames=("cache",))
+def decode_step(
+    params, cache, tokens_B, positions_B, seeds_B, sampling: SamplingParams, *, cfg, greedy_only, window, logprobs=False
+):
+    """Feed one token per row at its position, sample the next. Returns (next tokens [B], cache), and with
+    ``logprobs`` (static) (next tokens [B], cache, :class:`~peagle_jax.logprobs.TokenLogprobs` [B, 1] of the
+    next tokens)."""
     out, cache = model.forward(params, cache, tokens_B[:, None], positions_B, cfg=cfg, window=window)
-    return sample(out.logits[:, 0], sampling, seeds_B, positions_B + 1, greedy_only=greedy_only), cache
+    next_B = sample(out.logits[:, 0], sampling, seeds_B, positions_B + 1, greedy_only=greedy_only)
+    if not logprobs:
+        return next_B, cache
+    return next_B, cache, token_logprobs(out.logits, next_B[:, None])
 
 
 @functools.partial(jax.jit, static_argnames=("greedy_only",))
