@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from peagle_jax.models import model
 
@@ -41,6 +42,23 @@ def token_logprobs(logits_BPV, tokens_BP) -> TokenLogprobs:
     chosen_BP = jnp.take_along_axis(logp_BPV, tokens_BP[..., None].astype(jnp.int32), axis=-1)[..., 0]
     top_BPZ, ids_BPZ = jax.lax.top_k(logp_BPV, min(TOP_LOGPROBS, logp_BPV.shape[-1]))
     return TokenLogprobs(chosen_BP, ids_BPZ.astype(jnp.int32), top_BPZ)
+
+
+first_logprobs = jax.jit(token_logprobs)  # of a prefill's first token: logits [B, 1, V], tokens [B, 1]
+
+
+def host_logprobs(lp: TokenLogprobs, P: int) -> TokenLogprobs:
+    """A step's device log-probabilities [R, P'] on the host, padded to P positions (as its tokens)."""
+    pad = P - lp.logprob.shape[1]
+    return TokenLogprobs(*(np.pad(np.asarray(x), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in lp))
+
+
+def row_logprobs(lp: TokenLogprobs, b: int, n: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Row b's first n positions of host log-probabilities as (logprob, [(token id, logprob), ...])."""
+    return [
+        (float(lp.logprob[b, i]), list(zip(lp.top_ids[b, i].tolist(), lp.top_logprobs[b, i].tolist(), strict=True)))
+        for i in range(n)
+    ]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "window"), donate_argnames=("cache",))

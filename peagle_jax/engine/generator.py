@@ -100,6 +100,9 @@ class Generator:
         self.num_slots = max(-(-max_seq_len // chunk) * chunk, max_seq_len + slack)
         self.window_buckets = tuple(w for w in WINDOW_BUCKETS if w < max_seq_len) + (self.num_slots,)
         self.stats = StepStats()
+        # Whether the serving engine's steps also return the emitted tokens' raw log-probabilities (a static
+        # flag of the step graphs: :mod:`peagle_jax.logprobs`); the batch generators leave it off.
+        self.logprobs = False
 
     def check_request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
         """Raise :class:`RequestError` when these prompts cannot be generated from (empty, too long, ids

@@ -27,6 +27,7 @@ from starlette.routing import Route
 
 from peagle_jax.engine.generator import RequestError
 from peagle_jax.serve import protocol
+from peagle_jax.serve.logprobs import LogprobsWriter
 from peagle_jax.serve.protocol import APIError, ChatRequest, CompletionRequest
 from peagle_jax.serve.slots import SlotRequest
 from peagle_jax.serve.worker import EngineWorker, Failure, QueueFull
@@ -213,7 +214,9 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
             ) from None
         text = TextStream(state.tokenizer, protocol.stop_strings(req))
         rid = ("chatcmpl-" if isinstance(req, ChatRequest) else "cmpl-") + secrets.token_hex(12)
-        fmt = _Formatter(rid, state.model_name, isinstance(req, ChatRequest), len(sreq.prompt))
+        top = protocol.logprobs_wanted(req)
+        writer = None if top is None else LogprobsWriter(state.tokenizer, isinstance(req, ChatRequest), top)
+        fmt = _Formatter(rid, state.model_name, isinstance(req, ChatRequest), len(sreq.prompt), writer)
         if req.stream:
             return StreamingResponse(
                 _sse(worker, sreq, events, text, fmt, metrics, endpoint),
@@ -237,6 +240,7 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
                     )
                 produced += len(ev.tokens)
                 answer += ev.tokens
+                fmt.add(ev)
                 text.feed(ev.tokens, final=ev.finish_reason is not None)
                 finish = "stop" if text.stopped else ev.finish_reason
         finally:
@@ -329,9 +333,25 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
 class _Formatter:
     """OpenAI response objects for one request."""
 
-    def __init__(self, rid: str, model: str, chat: bool, prompt_tokens: int):
+    def __init__(self, rid: str, model: str, chat: bool, prompt_tokens: int, writer: LogprobsWriter | None = None):
         self.rid, self.model, self.chat, self.prompt_tokens = rid, model, chat, prompt_tokens
         self.created = int(time.time())
+        self.writer = writer  # None: the request wants no log-probabilities
+        self._tokens, self._logprobs = [], []  # the tokens (and theirs) not yet in a response or chunk
+
+    def add(self, ev) -> None:
+        """Keep an event's tokens and log-probabilities for the next response or chunk."""
+        if self.writer is not None:
+            self._tokens += ev.tokens
+            self._logprobs += ev.logprobs
+
+    def _take_logprobs(self):
+        """The ``logprobs`` value of the tokens added since the last call (None without log-probabilities)."""
+        if self.writer is None:
+            return None
+        out = self.writer.choice(self._tokens, self._logprobs)
+        self._tokens, self._logprobs = [], []
+        return out
 
     def usage(self, produced: int) -> dict:
         return {
@@ -348,22 +368,22 @@ class _Formatter:
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": self._take_logprobs(),
                 "finish_reason": finish,
             }
             return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage(produced)}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, "logprobs": self._take_logprobs(), "finish_reason": finish}
         return {**self._head("text_completion"), "choices": [choice], "usage": self.usage(produced)}
 
     def chunk(self, delta: str, finish: str | None = None, produced: int | None = None, first=False) -> str:
         if self.chat:
             d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
-            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
-            obj = {**self._head("chat.completion.chunk"), "choices": [choice]}
+            choice = {"index": 0, "delta": d, "logprobs": None if first else self._take_logprobs()}
+            obj = {**self._head("chat.completion.chunk"), "choices": [{**choice, "finish_reason": finish}]}
         else:
             obj = {
                 **self._head("text_completion"),
-                "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}],
+                "choices": [{"index": 0, "text": delta, "logprobs": self._take_logprobs(), "finish_reason": finish}],
             }
         if produced is not None:
             obj["usage"] = self.usage(produced)
@@ -387,6 +407,7 @@ async def _sse(worker, sreq, events, text: TextStream, fmt: _Formatter, metrics,
                 finish = "error"
                 return
             produced += len(ev.tokens)
+            fmt.add(ev)
             delta = text.feed(ev.tokens, final=ev.finish_reason is not None)
             finish = "stop" if text.stopped else ev.finish_reason
             if delta and finish is None:

@@ -54,6 +54,7 @@ import numpy as np
 from peagle_jax.drafter.model import new_drafter_cache
 from peagle_jax.engine.generator import Generator, RequestError, StepStats, decode_step, sample_jit
 from peagle_jax.engine.overlap import Launched, launch_then_read
+from peagle_jax.logprobs import first_logprobs, host_logprobs, row_logprobs
 from peagle_jax.models import model
 from peagle_jax.platform import MapBudget
 from peagle_jax.sampling import SamplingParams, check_sampling_args, greedy_graph, greedy_modes
@@ -84,11 +85,14 @@ class SlotRequest:
 @dataclasses.dataclass
 class SlotEvent:
     """Tokens a request gained in one step; ``finish_reason`` is set on its last event: "stop" (a stop
-    token, included in ``tokens``), "length" or "cancelled"."""
+    token, included in ``tokens``), "length" or "cancelled". With the engine's :attr:`SlotEngine.logprobs`,
+    ``logprobs`` holds per token its raw log-probability and the top ones:
+    (logprob, [(token id, logprob), ...]), most likely first (:func:`peagle_jax.logprobs.row_logprobs`)."""
 
     request: SlotRequest
     tokens: list[int]
     finish_reason: str | None = None
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclasses.dataclass
@@ -154,14 +158,24 @@ class SlotEngine:
     """
 
     def __init__(
-        self, gen: Generator, max_batch: int, *, load_k: Sequence[tuple[int, int]] = (), adaptive: bool = False
+        self,
+        gen: Generator,
+        max_batch: int,
+        *,
+        load_k: Sequence[tuple[int, int]] = (),
+        adaptive: bool = False,
+        logprobs: bool = False,
     ):
         """``load_k``: (n, K') pairs, with at least n active slots a step drafts and verifies a chain of K'
         (0: a plain step). ``adaptive``: each step picks plain, a chain of 1 or the generator's own tree by
-        measured throughput (:class:`peagle_jax.spec.adaptive.AdaptiveK`); excludes ``load_k``."""
+        measured throughput (:class:`peagle_jax.spec.adaptive.AdaptiveK`); excludes ``load_k``. ``logprobs``:
+        every step (and admission) also returns the emitted tokens' raw log-probabilities and the top
+        :data:`~peagle_jax.logprobs.TOP_LOGPROBS` (one flag for all graphs, so that requests that ask for
+        them compile nothing; sets the generator's :attr:`~peagle_jax.engine.generator.Generator.logprobs`)."""
         if max_batch < 1:
             raise RequestError(f"max_batch must be >= 1, got {max_batch}")
         self.gen, self.B = gen, max_batch
+        self.logprobs = gen.logprobs = logprobs
         self._load_k, self._adaptive = tuple(load_k), adaptive
         self.speculative = isinstance(gen, SpeculativeGenerator)
         # The step keys whose graphs still compile in the background (see the module docstring): a drafting
@@ -283,8 +297,9 @@ class SlotEngine:
         top = int(np.flatnonzero(live).max()) + 1
         return next(r for r in self.row_buckets if r >= top)
 
-    def _emit(self, b: int, tokens) -> SlotEvent:
-        """Row b's new tokens up to its stop token or length; frees the slot when the request ends."""
+    def _emit(self, b: int, tokens, logprobs=None) -> SlotEvent:
+        """Row b's new tokens up to its stop token or length; frees the slot when the request ends.
+        ``logprobs``: the tokens' (:attr:`SlotEvent.logprobs`), cut as they are."""
         slot = self.slots[b]
         out, finish = [], None
         for tok in tokens:
@@ -297,7 +312,7 @@ class SlotEngine:
             if finish:
                 self._release(b)
                 break
-        return SlotEvent(slot.request, out, finish)
+        return SlotEvent(slot.request, out, finish, None if logprobs is None else logprobs[: len(out)])
 
     def _release(self, b: int) -> None:
         """Free slot b; its row idles at a small position from now on."""
@@ -331,6 +346,9 @@ class SlotEngine:
         else:
             logits, cache1 = gen.prefill([prompt], 1)
         first = int(sample_jit(logits, sampling, seed, jnp.asarray([len(prompt)], jnp.int32), greedy_only=greedy)[0])
+        lps = None
+        if self.logprobs:
+            lps = row_logprobs(host_logprobs(first_logprobs(logits[:, None], jnp.asarray([[first]])), 1), 0, 1)
         self.cache = put_row(self.cache, cache1, jnp.int32(b))
         if self.speculative:
             self._seed_context(b, len(prompt), dcache1, aux1, first)
@@ -342,7 +360,7 @@ class SlotEngine:
         self._t_admit = time.perf_counter()
         stops = gen.cfg.eos_token_ids if req.stop_token_ids is None else req.stop_token_ids
         self.slots[b] = _Slot(req, frozenset(int(t) for t in stops))
-        return self._emit(b, [first])
+        return self._emit(b, [first], lps)
 
     def _seed_context(self, b: int, length: int, dcache1, aux1, root: int) -> None:
         """Row b's drafter state after a prefill of its first ``length`` committed tokens (all but the last,
@@ -516,7 +534,7 @@ class SlotEngine:
         else:
             t0 = time.perf_counter()
             positions = self.positions[:R]
-            next_R, self.cache = decode_step(
+            next_R, self.cache, *lp = decode_step(
                 gen.params,
                 self.cache,
                 host_copy(self.pending[:R]) if root is None else root,
@@ -526,9 +544,10 @@ class SlotEngine:
                 cfg=gen.cfg,
                 greedy_only=greedy_only,
                 window=gen.window(int(positions[live_R].max()) + 1),
+                logprobs=self.logprobs,
             )
             positions += live_R.astype(np.int32)  # in place: the first R of self.positions
-            launched = Launched(next_R, np.array(live_R, bool), t0, ids=ids)
+            launched = Launched(next_R, np.array(live_R, bool), t0, ids=ids, logprobs=lp[0] if lp else None)
         self.steps_by_k[0] = self.steps_by_k.get(0, 0) + 1
         return launched
 
@@ -544,7 +563,11 @@ class SlotEngine:
         else:
             self.pending[: launched.R] = np.where(valid, next_R, self.pending[: launched.R])
         self._record(launched.R, 0, now, learn=record)
-        return [self._emit(b, next_R[b : b + 1]) for b in np.flatnonzero(valid)]
+        lp = None if launched.logprobs is None else host_logprobs(launched.logprobs, 1)
+        return [
+            self._emit(b, next_R[b : b + 1], None if lp is None else row_logprobs(lp, b, 1))
+            for b in np.flatnonzero(valid)
+        ]
 
     def _record(self, R: int, k: int, now: float, counts=(), *, learn: bool = True) -> None:
         """A step of ``k`` over R rows was read at ``now``: the policy learns the time since the last read
@@ -565,7 +588,11 @@ class SlotEngine:
         # The policy learns the acceptance of synced rows only: the others drafted from a stale context.
         self._record(R, k, time.perf_counter(), count[live[:R] & self.state.synced[:R]], learn=record)
         self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
-        return [self._emit(b, tokens[b, : int(count[b])]) for b in np.flatnonzero(live)]
+        lp = self.gen.step_logprobs if self.logprobs else None
+        return [
+            self._emit(b, tokens[b, : int(count[b])], None if lp is None else row_logprobs(lp, b, int(count[b])))
+            for b in np.flatnonzero(live)
+        ]
 
     # -- compilation -------------------------------------------------------------------------------------
 
@@ -649,7 +676,7 @@ class SlotEngine:
         gen.stats = StepStats()
         if self.speculative:
             gen.spec = SpecStats(accepted_per_position=[0] * gen.K)
-        twin = SlotEngine(gen, self.B, load_k=self._load_k, adaptive=self._adaptive)
+        twin = SlotEngine(gen, self.B, load_k=self._load_k, adaptive=self._adaptive, logprobs=self.logprobs)
         twin.overlap, twin.compiling = self.overlap, self.compiling
         return twin
 
