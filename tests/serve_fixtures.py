@@ -229,6 +229,20 @@ def check_logprobs(base: str, model: str, model_dir: Path) -> None:
     assert sum((s["tokens"] for s in streamed), []) == lp["tokens"]
     assert sum((s["text_offset"] for s in streamed), []) == lp["text_offset"]
 
+    echo = {**comp, "echo": True, "logprobs": 2, "max_tokens": 4}
+    answer = post("/v1/completions", {**echo, "return_token_ids": True})["choices"][0]
+    ids, prompt, lp = answer["token_ids"], answer["prompt_token_ids"], answer["logprobs"]
+    assert answer["text"].startswith("score this") and lp["tokens"] == [tok.decode([t]) for t in prompt + ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    ref = reference(prompt + ids)
+    want = [row[t] for t, row in zip((prompt + ids)[1:], ref[:-1], strict=True)]
+    np.testing.assert_allclose(lp["token_logprobs"][1:], want, atol=1e-4)
+    chunks = post("/v1/completions", {**echo, "stream": True})
+    assert chunks[0]["text"].startswith("score this")
+    assert sum((c["logprobs"]["tokens"] for c in chunks if c["logprobs"]), []) == lp["tokens"]
+    plain = post("/v1/completions", {**comp, "echo": True, "logprobs": None})["choices"][0]
+    assert plain["text"].startswith(answer["text"]) and plain["logprobs"] is None  # 12 tokens, the same seed
+
     for path, body, param in (
         ("/v1/chat/completions", {**chat, "top_logprobs": 21}, "top_logprobs"),
         ("/v1/completions", {**comp, "logprobs": 21}, "logprobs"),

@@ -147,7 +147,6 @@ BAD = {
     "missing_model": ("/v1/completions", {"model": None, "prompt": "x"}),
     "n_2": ("/v1/completions", {"prompt": "x", "n": 2}),
     "logprobs_21": ("/v1/completions", {"prompt": "x", "logprobs": 21}),
-    "echo": ("/v1/completions", {"prompt": "x", "echo": True}),
     "two_prompts": ("/v1/completions", {"prompt": ["a", "b"]}),
     "empty_prompt_list": ("/v1/completions", {"prompt": []}),
     "top_p_zero": ("/v1/completions", {"prompt": "x", "top_p": 0}),

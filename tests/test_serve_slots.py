@@ -548,3 +548,24 @@ def test_logprobs_are_the_targets_with_and_without_speculation(models, mode):
             assert values[ids.index(tok)] == lp
     if mode != "plain":
         assert sum(gen.spec.accepted_per_position) > 0
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_echo_prompt_logprobs(models, speculative):
+    """An echo admission's event carries the prompt's log-probabilities (every token after the first), from
+    the prefill itself, across prefill chunks; the first token and the cache are those of a plain admission."""
+    params, dparams = models
+    kw = dict(max_seq_len=MAX_SEQ, prefill_buckets=(4, 8))  # a 19-token prompt: chunks of 8, 8 and 4
+    gen = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, **kw) if speculative else Generator(CFG, params, **kw)
+    engine = SlotEngine(gen, 2, logprobs=True)
+    prompt = [1, 2, 3, 4, 0, 1, 2, 3, 4, 4, 3, 2, 1, 0, 0, 1, 2, 3, 4]
+    ev = engine.admit(SlotRequest(prompt, 6, 0.8, 0, 1.0, 9, [], echo=True))
+    assert ev.prompt_logprobs is not None and len(ev.prompt_logprobs) == len(prompt) - 1
+    ref = _log_softmax64(params, prompt + ev.tokens)
+    for tok, (lp, top), row in zip(prompt[1:], ev.prompt_logprobs, ref[: len(prompt) - 1], strict=True):
+        np.testing.assert_allclose(lp, row[tok], atol=1e-4)
+        np.testing.assert_allclose([v for _, v in top], row[[t for t, _ in top]], atol=1e-4)
+    np.testing.assert_allclose(ev.logprobs[0][0], ref[len(prompt) - 1][ev.tokens[0]], atol=1e-4)
+    out = ev.tokens + [t for _ in range(20) for e in engine.step() for t in e.tokens]
+    assert out == _reference(Generator(CFG, params, max_seq_len=MAX_SEQ), (prompt, 6, 0.8, 0, 1.0, 9, []))
+    assert engine.admit(SlotRequest(prompt, 1, stop_token_ids=[])).prompt_logprobs is None  # no echo asked

@@ -151,12 +151,23 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
             1.0 if req.top_p is None else req.top_p,
             seed,
             tuple(sorted(set(state.stop_token_ids) | set(req.stop_token_ids or ()))),
+            echo=echo_of(req) and protocol.logprobs_wanted(req) is not None,
         )
         try:
             worker.engine.check(sreq)
         except RequestError as err:
             raise APIError(400, str(err)) from None
         return sreq
+
+    def echo_of(req) -> bool:
+        return isinstance(req, CompletionRequest) and bool(req.echo)
+
+    def prompt_text(req, ids: list[int]) -> str:
+        """An echo's prompt text: the prompt string as sent, else the ids decoded as answers are."""
+        prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
+        if isinstance(prompt, str):
+            return prompt
+        return TextStream(state.tokenizer, []).feed(ids, final=True)
 
     def authorize(request: Request) -> None:
         """With an API key, a /v1 request must carry it as a bearer token (compared in constant time)."""
@@ -217,6 +228,7 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
         top = protocol.logprobs_wanted(req)
         writer = None if top is None else LogprobsWriter(state.tokenizer, isinstance(req, ChatRequest), top)
         fmt = _Formatter(rid, state.model_name, isinstance(req, ChatRequest), len(sreq.prompt), writer)
+        fmt.echo = prompt_text(req, sreq.prompt) if echo_of(req) else ""
         if req.stream:
             return StreamingResponse(
                 _sse(worker, sreq, events, text, fmt, metrics, endpoint),
@@ -338,12 +350,22 @@ class _Formatter:
         self.created = int(time.time())
         self.writer = writer  # None: the request wants no log-probabilities
         self._tokens, self._logprobs = [], []  # the tokens (and theirs) not yet in a response or chunk
+        self.echo = ""  # completions' echo: the prompt text, before the first text sent
 
     def add(self, ev) -> None:
-        """Keep an event's tokens and log-probabilities for the next response or chunk."""
-        if self.writer is not None:
-            self._tokens += ev.tokens
-            self._logprobs += ev.logprobs
+        """Keep an event's tokens and log-probabilities for the next response or chunk (an echo's prompt
+        tokens first, the first of them without log-probabilities)."""
+        if self.writer is None:
+            return
+        if ev.prompt_logprobs is not None:
+            self._tokens += list(ev.request.prompt)
+            self._logprobs += [(None, None), *ev.prompt_logprobs]
+        self._tokens += ev.tokens
+        self._logprobs += ev.logprobs
+
+    def _take_echo(self) -> str:
+        echo, self.echo = self.echo, ""
+        return echo
 
     def _take_logprobs(self):
         """The ``logprobs`` value of the tokens added since the last call (None without log-probabilities)."""
@@ -372,7 +394,12 @@ class _Formatter:
                 "finish_reason": finish,
             }
             return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage(produced)}
-        choice = {"index": 0, "text": text, "logprobs": self._take_logprobs(), "finish_reason": finish}
+        choice = {
+            "index": 0,
+            "text": self._take_echo() + text,
+            "logprobs": self._take_logprobs(),
+            "finish_reason": finish,
+        }
         return {**self._head("text_completion"), "choices": [choice], "usage": self.usage(produced)}
 
     def chunk(self, delta: str, finish: str | None = None, produced: int | None = None, first=False) -> str:
@@ -383,7 +410,14 @@ class _Formatter:
         else:
             obj = {
                 **self._head("text_completion"),
-                "choices": [{"index": 0, "text": delta, "logprobs": self._take_logprobs(), "finish_reason": finish}],
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": self._take_echo() + delta,
+                        "logprobs": self._take_logprobs(),
+                        "finish_reason": finish,
+                    }
+                ],
             }
         if produced is not None:
             obj["usage"] = self.usage(produced)

@@ -41,12 +41,15 @@ class LogprobsWriter:
         ]
 
     def completion(self, tokens: list[int], logprobs: list) -> dict:
-        """The completions ``logprobs`` object of these tokens (continuing :attr:`offset`)."""
+        """The completions ``logprobs`` object of these tokens (continuing :attr:`offset`); an entry
+        ``(None, None)`` (an echoed prompt's first token) has ``null`` values."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tok, (lp, top) in zip(tokens, logprobs, strict=True):
             text = self.text(tok)
-            alternatives = {self.text(t): v for t, v in top[: self.top]}
-            alternatives.setdefault(text, lp)
+            alternatives = None  # an echoed prompt's first token has none
+            if lp is not None:
+                alternatives = {self.text(t): v for t, v in top[: self.top]}
+                alternatives.setdefault(text, lp)
             out["tokens"].append(text)
             out["token_logprobs"].append(lp)
             out["top_logprobs"].append(alternatives)

@@ -3,9 +3,9 @@ an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``), never
 
 The schemas are strict about types: wrong JSON types are refused (no ``"1"`` for a number). The OpenAI
 parameters this server does not implement are refused by name (a 400, ``unsupported_parameter``) unless
-they have their neutral values (``n=1``, zero penalties, no logit bias, ``echo=false``, no tools, ...).
+they have their neutral values (``n=1``, zero penalties, no logit bias, no tools, ...).
 Log-probabilities are served (chat ``logprobs`` + ``top_logprobs``, completions ``logprobs``, 0..20
-alternatives). Top-level fields the OpenAI API does not define at all are ignored, and the request records
+alternatives, and ``echo``). Top-level fields the OpenAI API does not define at all are ignored, and the request records
 their names (:attr:`_Common.ignored`) for one warning line in the log, as vLLM does: an SDK that adds a
 field does not break its clients. Inside messages and ``stream_options`` unknown fields are refused.
 """
@@ -162,7 +162,6 @@ def parse(schema: type[_Common], body: bytes) -> _Common:
     _check_common(req)
     if isinstance(req, CompletionRequest):
         _check_logprobs(req.logprobs, "logprobs")
-        _refuse(req.echo not in (None, False), "echo")
         _refuse(req.best_of not in (None, 1), "best_of")
         _refuse(req.suffix not in (None, ""), "suffix")
         if isinstance(req.prompt, list) and not req.prompt:

@@ -80,6 +80,7 @@ class SlotRequest:
     seed: int = 0
     stop_token_ids: Sequence[int] | None = None
     id: int = dataclasses.field(default_factory=lambda: next(_ids))
+    echo: bool = False  # the admission's event also carries the prompt's log-probabilities (needs logprobs)
 
 
 @dataclasses.dataclass
@@ -93,6 +94,8 @@ class SlotEvent:
     tokens: list[int]
     finish_reason: str | None = None
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # An echo request's admission: the log-probabilities of its prompt tokens after the first, as ``logprobs``.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclasses.dataclass
@@ -335,16 +338,24 @@ class SlotEngine:
         sampling = SamplingParams.make(1, req.temperature, req.top_k, req.top_p)
         seed = jnp.asarray([req.seed], jnp.uint32)
         greedy = greedy_graph(req.temperature)
+        echoed = []  # the prompt's log-probabilities per chunk, for an echo
+        on_logprobs = None
+        if req.echo and self.logprobs:
+
+            def on_logprobs(lp, start, T):
+                n = min(len(prompt) - start, T)
+                echoed.extend(row_logprobs(host_logprobs(lp, T), 0, n))
+
         if self.speculative:
             live = np.array([s is not None or i == b for i, s in enumerate(self.slots)])
             R = self.rows_for(live)
             # The drafter is kept current where drafting pays, or where an exploration is due: it measures
             # the acceptance on this row (AdaptiveK.explore_due), so a low estimate can still recover.
             synced = not self.lazy or self.policy.pays(R) or self.policy.explore_due(R)
-            logits, cache1, dcache1, aux1 = gen.prefill_both([prompt], 1, drafter=synced)
+            logits, cache1, dcache1, aux1 = gen.prefill_both([prompt], 1, drafter=synced, on_logprobs=on_logprobs)
             self.unsynced_admits += not synced
         else:
-            logits, cache1 = gen.prefill([prompt], 1)
+            logits, cache1 = gen.prefill([prompt], 1, on_logprobs=on_logprobs)
         first = int(sample_jit(logits, sampling, seed, jnp.asarray([len(prompt)], jnp.int32), greedy_only=greedy)[0])
         lps = None
         if self.logprobs:
@@ -360,7 +371,10 @@ class SlotEngine:
         self._t_admit = time.perf_counter()
         stops = gen.cfg.eos_token_ids if req.stop_token_ids is None else req.stop_token_ids
         self.slots[b] = _Slot(req, frozenset(int(t) for t in stops))
-        return self._emit(b, [first], lps)
+        event = self._emit(b, [first], lps)
+        if on_logprobs is not None:
+            event.prompt_logprobs = echoed[:-1]  # the last predicts the first generated token: in ``logprobs``
+        return event
 
     def _seed_context(self, b: int, length: int, dcache1, aux1, root: int) -> None:
         """Row b's drafter state after a prefill of its first ``length`` committed tokens (all but the last,

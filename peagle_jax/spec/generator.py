@@ -132,11 +132,12 @@ class SpeculativeGenerator(Generator):
             return sequential_draft(*args, self.embed, **kw)
         return parallel_draft(*args, self.mask_g, self.embed, **kw)
 
-    def prefill_both(self, prompts: Sequence[Sequence[int]], batch: int, drafter: bool = True):
+    def prefill_both(self, prompts: Sequence[Sequence[int]], batch: int, drafter: bool = True, on_logprobs=None):
         """Prefill the target and seed the drafter with the prompts (padded to ``batch`` rows). Returns
         (last-token logits [batch, V], target cache, drafter cache, aux [batch, X] of each last prompt
         position: the aux half of the first draft's context element). Without ``drafter`` the drafter is
-        not run (its cache is None), for a row the slot engine leaves unsynced (:attr:`SpecState.synced`)."""
+        not run (its cache is None), for a row the slot engine leaves unsynced (:attr:`SpecState.synced`).
+        ``on_logprobs``: the prompt's log-probabilities, as :meth:`Generator.prefill`'s."""
         lengths = np.array([len(p) for p in prompts] + [1] * (batch - len(prompts)), np.int32)
         dcache = new_drafter_cache(self.dcfg, batch, self.cache_slots(batch)) if drafter else None
         if drafter and self.mesh is not None:
@@ -169,7 +170,7 @@ class SpeculativeGenerator(Generator):
             aux_last = jnp.take_along_axis(out.aux, jnp.asarray(at)[:, None, None], axis=1)[:, 0]
             last_aux[0] = aux_last if last_aux[0] is None else jnp.where(here, aux_last, last_aux[0])
 
-        logits, cache = self.prefill(prompts, batch, on_chunk=seed_drafter)
+        logits, cache = self.prefill(prompts, batch, on_chunk=seed_drafter, on_logprobs=on_logprobs)
         return logits, cache, dcache, last_aux[0]
 
     def step(self, cache, dcache, state: SpecState, seeds, sampling, *, greedy_only: bool, live, tree=None):
