@@ -157,3 +157,95 @@ def parse_metrics(text: str) -> dict[str, float]:
         key, value = line.rsplit(" ", 1)
         out[key] = float(value)
     return out
+
+
+def check_logprobs(base: str, model: str, model_dir: Path) -> None:
+    """A server's log-probabilities (chat and completions, streamed and not, sampled at T=0.9): each token's
+    equals a float64 log-softmax of the plain target's logits at its prefix (1e-4), the alternatives are the
+    most likely tokens, sorted, in the OpenAI shapes; a stream carries the same values; 21 alternatives
+    are a 400 naming the parameter."""
+    import json
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from peagle_jax.checkpoint import load_target_any
+    from peagle_jax.models import model as M
+
+    cfg, params = load_target_any(model_dir)
+    tok = char_tokenizer()
+
+    def reference(ids):
+        out, _ = M.forward_jit(
+            params, M.new_cache(cfg, 1, len(ids)), jnp.asarray([ids]), jnp.zeros(1, jnp.int32), cfg=cfg
+        )
+        x = np.asarray(out.logits[0], np.float64)
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    def post(path, body):
+        status, _, raw = http(base, "POST", path, json.dumps({"model": model, **body}))
+        assert status == 200, raw
+        if not body.get("stream"):
+            return json.loads(raw)
+        chunks = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
+        return [c["choices"][0] for c in chunks]
+
+    common = {"max_tokens": 12, "temperature": 0.9, "seed": 5}
+    chat = {**common, "messages": [{"role": "user", "content": "log me"}], "logprobs": True, "top_logprobs": 5}
+    answer = post("/v1/chat/completions", {**chat, "return_token_ids": True})["choices"][0]
+    ids, prompt = answer["token_ids"], answer["prompt_token_ids"]
+    ref = reference(prompt + ids)[len(prompt) - 1 : -1]
+    content = answer["logprobs"]["content"]
+    assert [e["token"] for e in content] == [tok.decode([t]) for t in ids]
+    for e, t, row in zip(content, ids, ref, strict=True):
+        assert set(e) == {"token", "logprob", "bytes", "top_logprobs"} and e["bytes"] == list(e["token"].encode())
+        np.testing.assert_allclose(e["logprob"], row[t], atol=1e-4)
+        tops = [a["logprob"] for a in e["top_logprobs"]]
+        assert len(tops) == 5 and tops == sorted(tops, reverse=True)
+        np.testing.assert_allclose(tops, np.sort(row)[::-1][:5], atol=1e-4)
+        assert e["logprob"] <= tops[0] + 1e-6
+    streamed = [
+        e
+        for c in post("/v1/chat/completions", {**chat, "stream": True})
+        for e in (c["logprobs"] or {}).get("content", [])
+    ]
+    assert [e["token"] for e in streamed] == [e["token"] for e in content]
+    np.testing.assert_allclose([e["logprob"] for e in streamed], [e["logprob"] for e in content], atol=1e-6)
+
+    comp = {**common, "prompt": "score this", "logprobs": 3}
+    answer = post("/v1/completions", {**comp, "return_token_ids": True})["choices"][0]
+    ids, prompt, lp = answer["token_ids"], answer["prompt_token_ids"], answer["logprobs"]
+    ref = reference(prompt + ids)[len(prompt) - 1 : -1]
+    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert lp["tokens"] == [tok.decode([t]) for t in ids]
+    np.testing.assert_allclose(lp["token_logprobs"], [row[t] for t, row in zip(ids, ref, strict=True)], atol=1e-4)
+    assert lp["text_offset"] == list(np.cumsum([0] + [len(t) for t in lp["tokens"]])[:-1])
+    for text, value, alternatives, row in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], ref, strict=True):
+        assert alternatives[text] == value and 3 <= len(alternatives) <= 4  # the top 3 and the chosen token
+        top3 = sorted(alternatives.values(), reverse=True)[:3]
+        np.testing.assert_allclose(top3, np.sort(row)[::-1][:3], atol=1e-4)
+    streamed = [c["logprobs"] for c in post("/v1/completions", {**comp, "stream": True}) if c["logprobs"]]
+    assert sum((s["tokens"] for s in streamed), []) == lp["tokens"]
+    assert sum((s["text_offset"] for s in streamed), []) == lp["text_offset"]
+
+    echo = {**comp, "echo": True, "logprobs": 2, "max_tokens": 4}
+    answer = post("/v1/completions", {**echo, "return_token_ids": True})["choices"][0]
+    ids, prompt, lp = answer["token_ids"], answer["prompt_token_ids"], answer["logprobs"]
+    assert answer["text"].startswith("score this") and lp["tokens"] == [tok.decode([t]) for t in prompt + ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    ref = reference(prompt + ids)
+    want = [row[t] for t, row in zip((prompt + ids)[1:], ref[:-1], strict=True)]
+    np.testing.assert_allclose(lp["token_logprobs"][1:], want, atol=1e-4)
+    chunks = post("/v1/completions", {**echo, "stream": True})
+    assert chunks[0]["text"].startswith("score this")
+    assert sum((c["logprobs"]["tokens"] for c in chunks if c["logprobs"]), []) == lp["tokens"]
+    plain = post("/v1/completions", {**comp, "echo": True, "logprobs": None})["choices"][0]
+    assert plain["text"].startswith(answer["text"]) and plain["logprobs"] is None  # 12 tokens, the same seed
+
+    for path, body, param in (
+        ("/v1/chat/completions", {**chat, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/completions", {**comp, "logprobs": 21}, "logprobs"),
+    ):
+        status, _, raw = http(base, "POST", path, json.dumps({"model": model, **body}))
+        assert status == 400 and json.loads(raw)["error"]["param"] == param, raw

@@ -11,7 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from serve_fixtures import ServerProcess, http, parse_metrics, write_tiny_model
+from serve_fixtures import ServerProcess, check_logprobs, http, parse_metrics, write_tiny_model
 
 # Long enough that a request of MAX_SEQ - 2 tokens holds its slot for seconds (the queue and cancel tests).
 MAX_SEQ = 1024
@@ -177,7 +177,7 @@ BAD = {
     "n_0": ("/v1/completions", {"prompt": "x", "n": 0}),
     "n_too_large": ("/v1/completions", {"prompt": ["a", "b"], "n": 100}),
     "n_beyond_slots_and_queue": ("/v1/completions", {"prompt": "x", "n": 50}),
-    "logprobs": ("/v1/completions", {"prompt": "x", "logprobs": 3}),
+    "logprobs_21": ("/v1/completions", {"prompt": "x", "logprobs": 21}),
     "empty_token_prompt_in_list": ("/v1/completions", {"prompt": [[1, 2], []]}),
     "empty_prompt_list": ("/v1/completions", {"prompt": []}),
     "top_p_zero": ("/v1/completions", {"prompt": "x", "top_p": 0}),
@@ -186,7 +186,14 @@ BAD = {
     "empty_messages": ("/v1/chat/completions", {"messages": []}),
     "bad_role": ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}),
     "message_without_content": ("/v1/chat/completions", {"messages": [{"role": "user"}]}),
-    "chat_logprobs": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}),
+    "chat_top_logprobs_21": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+    ),
+    "chat_top_logprobs_without_logprobs": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+    ),
     "tools": (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
@@ -498,3 +505,7 @@ def test_fuzz_request_schema(server):
         server.base, "POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 2})
     )
     assert ok == 200
+
+
+def test_logprobs(server, model_dir):
+    check_logprobs(server.base, "tiny", model_dir)

@@ -47,7 +47,7 @@ def test_chat_parameters_not_implemented_are_refused_by_name_unless_neutral(name
         ),
         ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
         ({**CHAT, "logit_bias": {"5": 1.0}}, "logit_bias"),
-        ({**COMPLETION, "echo": True}, "echo"),
+        ({**COMPLETION, "best_of": 2}, "best_of"),
     ],
 )
 def test_what_stays_refused(body, param):

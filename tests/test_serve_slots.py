@@ -13,6 +13,7 @@ from peagle_jax.drafter import draft as D
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.model import init_drafter_params
 from peagle_jax.engine.generator import Generator, RequestError, decode_step, sample_jit
+from peagle_jax.logprobs import first_logprobs
 from peagle_jax.models import model as M
 from peagle_jax.models.config import ModelConfig
 from peagle_jax.serve import slots as S
@@ -67,21 +68,24 @@ def _reference(gen, r):
     return res[0].token_ids
 
 
-def _run(engine, requests, arrive_every=2, cancel=None):
+def _run(engine, requests, arrive_every=2, cancel=None, logprobs=None):
     """Admit requests as slots free up (at most one new request every ``arrive_every`` steps), step until
-    all end. ``cancel`` = (request index, after how many of its tokens). Returns tokens and finish reasons."""
+    all end. ``cancel`` = (request index, after how many of its tokens). Returns tokens and finish reasons;
+    ``logprobs`` (a list) gets each request's token log-probabilities (the events')."""
     reqs = [SlotRequest(p, n, t, k, tp, seed, stops) for p, n, t, k, tp, seed, stops in requests]
     out = {r.id: [] for r in reqs}
+    lps = {r.id: [] for r in reqs}
     finish = {}
     waiting = list(reqs)
     step = 0
     while waiting or engine.active:
+        admitted = []
         if waiting and engine.free and step % arrive_every == 0:
-            ev = engine.admit(waiting.pop(0))
+            admitted.append(engine.admit(waiting.pop(0)))
+        for ev in admitted + engine.step():
+            assert (ev.logprobs is None) == (not engine.logprobs)
             out[ev.request.id] += ev.tokens
-            finish[ev.request.id] = ev.finish_reason
-        for ev in engine.step():
-            out[ev.request.id] += ev.tokens
+            lps[ev.request.id] += ev.logprobs or []
             finish[ev.request.id] = ev.finish_reason
         if cancel is not None:
             target = reqs[cancel[0]]
@@ -92,6 +96,8 @@ def _run(engine, requests, arrive_every=2, cancel=None):
                     assert engine.cancel(target.id) is None
         step += 1
         assert step < 1000
+    if logprobs is not None:
+        logprobs += [lps[r.id] for r in reqs]
     return [out[r.id] for r in reqs], [finish[r.id] for r in reqs]
 
 
@@ -488,8 +494,8 @@ def test_bad_requests_are_refused_and_leave_the_slots_alone(models):
         SlotEngine(engine.gen, 0)
 
 
-@pytest.mark.parametrize("speculative", [False, True])
-def test_no_compiles_after_warmup(models, speculative):
+@pytest.mark.parametrize("speculative,logprobs", [(False, False), (True, False), (False, True), (True, True)])
+def test_no_compiles_after_warmup(models, speculative, logprobs):
     params, dparams = models
     if speculative:
         gen = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, max_seq_len=MAX_SEQ)
@@ -500,7 +506,8 @@ def test_no_compiles_after_warmup(models, speculative):
         gen = Generator(CFG, params, max_seq_len=MAX_SEQ)
         graphs = (M.prefill, sample_jit, put_row, decode_step, merge_roots)
         load_k = []
-    engine = SlotEngine(gen, 4, load_k=load_k)
+    graphs += (first_logprobs,) if logprobs else ()
+    engine = SlotEngine(gen, 4, load_k=load_k, logprobs=logprobs)
     assert engine.row_buckets == (1, 2, 4)
     assert [engine.rows_for(np.arange(4) == i) for i in range(4)] == [1, 2, 4, 4]
     calls = []
@@ -531,3 +538,61 @@ def test_no_compiles_after_warmup_adaptive(models):
     long = [([1, 2] * 20, 20, 0.0, 0, 1.0, 0, []), ([3] * 2, 61, 0.8, 2, 0.9, 5, [])]
     _run(engine, REQUESTS + long, arrive_every=1, cancel=(1, 2))
     assert [g._cache_size() for g in graphs] == before
+
+
+def _log_softmax64(params, seq):
+    """float64 log-softmax of the plain target's logits after every prefix of ``seq``: [len(seq), V]."""
+    out, _ = M.forward_jit(params, M.new_cache(CFG, 1, MAX_SEQ), jnp.asarray([seq]), jnp.zeros(1, jnp.int32), cfg=CFG)
+    x = np.asarray(out.logits[0], np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("mode", ["plain", "chain", "tree", "adaptive"])
+def test_logprobs_are_the_targets_with_and_without_speculation(models, mode):
+    """With log-probabilities on, every emitted token (admission, plain and speculative steps) carries the
+    float64 log-softmax of the plain target's logits at its prefix (1e-4; raw: before temperature, top-k and
+    top-p), and the top ones, sorted; the tokens are still plain decoding's."""
+    params, dparams = models
+    plain = Generator(CFG, params, max_seq_len=MAX_SEQ)
+    if mode == "plain":
+        gen = Generator(CFG, params, max_seq_len=MAX_SEQ)
+    else:
+        tree = V.parse_tree("0,1,00,10") if mode == "tree" else None
+        gen = SpeculativeGenerator(CFG, params, DCFG, dparams, k=None if tree else 3, tree=tree, max_seq_len=MAX_SEQ)
+    engine = SlotEngine(gen, 3, logprobs=True, adaptive=mode == "adaptive")
+    lps = []
+    outs, _ = _run(engine, REQUESTS, arrive_every=1, logprobs=lps)
+    for i, r in enumerate(REQUESTS):
+        assert outs[i] == _reference(plain, r), i
+        ref = _log_softmax64(params, r[0] + outs[i])[len(r[0]) - 1 : -1]
+        assert len(lps[i]) == len(outs[i])
+        for tok, (lp, top), row in zip(outs[i], lps[i], ref, strict=True):
+            ids, values = [t for t, _ in top], np.array([v for _, v in top])
+            np.testing.assert_allclose(lp, row[tok], atol=1e-4)
+            np.testing.assert_allclose(values, row[ids], atol=1e-4)
+            assert sorted(ids) == list(range(CFG.vocab_size)) and np.all(np.diff(values) <= 0)
+            assert values[ids.index(tok)] == lp
+    if mode != "plain":
+        assert sum(gen.spec.accepted_per_position) > 0
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_echo_prompt_logprobs(models, speculative):
+    """An echo admission's event carries the prompt's log-probabilities (every token after the first), from
+    the prefill itself, across prefill chunks; the first token and the cache are those of a plain admission."""
+    params, dparams = models
+    kw = dict(max_seq_len=MAX_SEQ, prefill_buckets=(4, 8))  # a 19-token prompt: chunks of 8, 8 and 4
+    gen = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, **kw) if speculative else Generator(CFG, params, **kw)
+    engine = SlotEngine(gen, 2, logprobs=True)
+    prompt = [1, 2, 3, 4, 0, 1, 2, 3, 4, 4, 3, 2, 1, 0, 0, 1, 2, 3, 4]
+    ev = engine.admit(SlotRequest(prompt, 6, 0.8, 0, 1.0, 9, [], echo=True))
+    assert ev.prompt_logprobs is not None and len(ev.prompt_logprobs) == len(prompt) - 1
+    ref = _log_softmax64(params, prompt + ev.tokens)
+    for tok, (lp, top), row in zip(prompt[1:], ev.prompt_logprobs, ref[: len(prompt) - 1], strict=True):
+        np.testing.assert_allclose(lp, row[tok], atol=1e-4)
+        np.testing.assert_allclose([v for _, v in top], row[[t for t, _ in top]], atol=1e-4)
+    np.testing.assert_allclose(ev.logprobs[0][0], ref[len(prompt) - 1][ev.tokens[0]], atol=1e-4)
+    out = ev.tokens + [t for _ in range(20) for e in engine.step() for t in e.tokens]
+    assert out == _reference(Generator(CFG, params, max_seq_len=MAX_SEQ), (prompt, 6, 0.8, 0, 1.0, 9, []))
+    assert engine.admit(SlotRequest(prompt, 1, stop_token_ids=[])).prompt_logprobs is None  # no echo asked

@@ -9,7 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from serve_fixtures import ServerProcess, http, parse_metrics, write_tiny_drafter, write_tiny_model
+from serve_fixtures import ServerProcess, check_logprobs, http, parse_metrics, write_tiny_drafter, write_tiny_model
 
 from peagle_jax.drafter.shipped import shipped_drafter
 from peagle_jax.errors import UserError
@@ -68,6 +68,11 @@ def test_speculative_server_equals_plain_decoding(server, dirs):
     with ThreadPoolExecutor(9) as pool:
         texts = list(pool.map(one, requests))
     assert texts == _plain_reference(dirs[0], requests)
+
+
+def test_logprobs_under_speculation(server, dirs):
+    """The speculative server's log-probabilities are the plain target's (every emitted token)."""
+    check_logprobs(server.base, "tiny-spec", dirs[0])
 
 
 def test_ping_and_acceptance_metrics(server):

@@ -21,6 +21,7 @@ import numpy as np
 from peagle_jax.engine.buckets import BATCH_BUCKETS, ONE_ROW_PAD, PREFILL_BUCKETS, WINDOW_BUCKETS, bucket
 from peagle_jax.engine.overlap import Launched, launch_then_read
 from peagle_jax.errors import UserError
+from peagle_jax.logprobs import prefill_logprobs, token_logprobs
 from peagle_jax.models import model
 from peagle_jax.models.config import ModelConfig
 from peagle_jax.sampling import SamplingParams, greedy_graph, sample
@@ -30,11 +31,18 @@ class RequestError(UserError):
     """A request that cannot be served as given (too long, empty, ...); the message says why."""
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "greedy_only", "window"), donate_argnames=("cache",))
-def decode_step(params, cache, tokens_B, positions_B, seeds_B, sampling: SamplingParams, *, cfg, greedy_only, window):
-    """Feed one token per row at its position, sample the next. Returns (next tokens [B], cache)."""
+@functools.partial(jax.jit, static_argnames=("cfg", "greedy_only", "window", "logprobs"), donate_argnames=("cache",))
+def decode_step(
+    params, cache, tokens_B, positions_B, seeds_B, sampling: SamplingParams, *, cfg, greedy_only, window, logprobs=False
+):
+    """Feed one token per row at its position, sample the next. Returns (next tokens [B], cache), and with
+    ``logprobs`` (static) (next tokens [B], cache, :class:`~peagle_jax.logprobs.TokenLogprobs` [B, 1] of the
+    next tokens)."""
     out, cache = model.forward(params, cache, tokens_B[:, None], positions_B, cfg=cfg, window=window)
-    return sample(out.logits[:, 0], sampling, seeds_B, positions_B + 1, greedy_only=greedy_only), cache
+    next_B = sample(out.logits[:, 0], sampling, seeds_B, positions_B + 1, greedy_only=greedy_only)
+    if not logprobs:
+        return next_B, cache
+    return next_B, cache, token_logprobs(out.logits, next_B[:, None])
 
 
 @functools.partial(jax.jit, static_argnames=("greedy_only",))
@@ -92,6 +100,9 @@ class Generator:
         self.num_slots = max(-(-max_seq_len // chunk) * chunk, max_seq_len + slack)
         self.window_buckets = tuple(w for w in WINDOW_BUCKETS if w < max_seq_len) + (self.num_slots,)
         self.stats = StepStats()
+        # Whether the serving engine's steps also return the emitted tokens' raw log-probabilities (a static
+        # flag of the step graphs: :mod:`peagle_jax.logprobs`); the batch generators leave it off.
+        self.logprobs = False
 
     def check_request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
         """Raise :class:`RequestError` when these prompts cannot be generated from (empty, too long, ids
@@ -126,10 +137,13 @@ class Generator:
         padded = batch == 1 and self.cfg.jnp_dtype == jnp.float32 and jax.default_backend() == "cpu"
         return self.num_slots + (ONE_ROW_PAD if padded else 0)
 
-    def prefill(self, prompts: Sequence[Sequence[int]], batch: int, on_chunk=None):
+    def prefill(self, prompts: Sequence[Sequence[int]], batch: int, on_chunk=None, on_logprobs=None):
         """Prefill prompts (padded to ``batch`` rows) into a fresh cache; long prompts go in chunks of the
         largest bucket. ``on_chunk(out, start, T)`` sees each chunk's output (the speculative generator
-        seeds its drafter from the aux hidden states). Returns (last-token logits [batch, V], cache)."""
+        seeds its drafter from the aux hidden states). With ``on_logprobs(lp, start, T)`` the chunks run
+        :func:`peagle_jax.logprobs.prefill_logprobs` (an echo's prompt log-probabilities: the same cache and
+        last logits) and it sees each chunk's log-probabilities [batch, T] (at t: those of prompt token
+        start + t + 1). Returns (last-token logits [batch, V], cache)."""
         cache = model.new_cache(self.cfg, batch, self.cache_slots(batch))
         if self.mesh is not None:
             from peagle_jax.sharding import shard_cache
@@ -147,15 +161,21 @@ class Generator:
             n_B = np.clip(lengths - start, 0, T)
             # Rows whose prompt ended in an earlier chunk re-write their own stale tail: harmless, and
             # their last logits are kept from the chunk where they ended.
-            out, cache = model.prefill(
+            args = (
                 self.params,
                 cache,
                 jnp.asarray(tokens),
                 jnp.asarray(np.maximum(n_B, 1)),
                 jnp.full((batch,), start, jnp.int32),
-                cfg=self.cfg,
-                window=self.window(start + T),
             )
+            if on_logprobs is None:
+                out, cache = model.prefill(*args, cfg=self.cfg, window=self.window(start + T))
+            else:
+                after = [p[start + T] if start + T < len(p) else 0 for p in prompts] + [0] * (batch - len(prompts))
+                out, lp, cache = prefill_logprobs(
+                    *args, jnp.asarray(after, jnp.int32), cfg=self.cfg, window=self.window(start + T)
+                )
+                on_logprobs(lp, start, T)
             if on_chunk is not None:
                 on_chunk(out, start, T)
             ended_here = jnp.asarray((lengths > start) & (lengths <= start + T))[:, None]

@@ -29,13 +29,14 @@ class Launched:
     whose token counts (``live`` [R]), the launch time, and the loop's bookkeeping for it: in speculative
     decoding each row's draft-context slot for its token (``at`` [R], see
     :meth:`peagle_jax.spec.state.SpecState.advance_plain`), in the serving engine the request each row held
-    at launch (``ids``)."""
+    at launch (``ids``); ``logprobs`` with a generator's :attr:`~peagle_jax.engine.generator.Generator.logprobs`."""
 
     tokens: jax.Array
     live: np.ndarray
     t_launch: float = dataclasses.field(default_factory=time.perf_counter)
     at: np.ndarray | None = None
     ids: list[int | None] | None = None
+    logprobs: object = None  # the tokens' TokenLogprobs [R, 1] on the device, when the step computes them
 
     @property
     def R(self) -> int:

@@ -263,7 +263,9 @@ def main(argv=None) -> int:
         gen, tokenizer, stops, name = load(args)
         from peagle_jax.serve.slots import SlotEngine
 
-        engine = SlotEngine(gen, args.max_batch, load_k=args.load_k, adaptive=args.adaptive_k)
+        # Log-probabilities are computed in every step graph (one static flag, so a request that asks for
+        # them compiles nothing): the log-softmax and top 20 of the emitted positions only.
+        engine = SlotEngine(gen, args.max_batch, load_k=args.load_k, adaptive=args.adaptive_k, logprobs=True)
         engine.overlap = not args.sync_steps
         if args.warmup_only:
             return warmup_only(args, engine)

@@ -27,6 +27,7 @@ from starlette.routing import Route
 
 from peagle_jax.engine.generator import RequestError
 from peagle_jax.serve import protocol
+from peagle_jax.serve.logprobs import LogprobsWriter
 from peagle_jax.serve.protocol import APIError, ChatRequest, CompletionRequest
 from peagle_jax.serve.slots import SlotRequest, next_request_id
 from peagle_jax.serve.worker import EngineWorker, Failure, QueueFull
@@ -171,12 +172,22 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
             tuple(sorted(set(state.stop_token_ids) | set(req.stop_token_ids or ()))),
             group=next_request_id() if n > 1 else None,
             group_size=n,
+            echo=echo_of(req) and protocol.logprobs_wanted(req) is not None,
         )
         try:
             worker.engine.check(sreq)
         except RequestError as err:
             raise APIError(400, str(err)) from None
         return sreq
+
+    def echo_of(req) -> bool:
+        return isinstance(req, CompletionRequest) and bool(req.echo)
+
+    def prompt_text(prompt, ids: list[int]) -> str:
+        """An echo's prompt text: the prompt string as sent, else the ids decoded as answers are."""
+        if isinstance(prompt, str):
+            return prompt
+        return TextStream(state.tokenizer, []).feed(ids, final=True)
 
     def authorize(request: Request) -> None:
         """With an API key, a /v1 request must carry it as a bearer token (compared in constant time)."""
@@ -242,6 +253,12 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
         rid = ("chatcmpl-" if isinstance(req, ChatRequest) else "cmpl-") + secrets.token_hex(12)
         prompt_tokens = sum(len(c.sreq.prompt) for c in choices[:: req.n or 1])  # each prompt counted once
         fmt = _Formatter(rid, state.model_name, isinstance(req, ChatRequest), prompt_tokens)
+        top = protocol.logprobs_wanted(req)
+        for c in choices:
+            if top is not None:
+                c.writer = LogprobsWriter(state.tokenizer, isinstance(req, ChatRequest), top)
+            if echo_of(req):
+                c.echo = prompt_text(protocol.prompt_list(req)[c.index // (req.n or 1)], c.sreq.prompt)
         if req.stream:
             return StreamingResponse(
                 _sse(worker, choices, events, fmt, metrics, endpoint),
@@ -377,23 +394,29 @@ class _Formatter:
             if self.chat:
                 choice = {"index": c.index, "message": {"role": "assistant", "content": c.text.text}}
             else:
-                choice = {"index": c.index, "text": c.text.text}
-            choice.update(logprobs=None, finish_reason=c.finish)
+                choice = {"index": c.index, "text": c.take_echo() + c.text.text}
+            choice.update(logprobs=c.take_logprobs(), finish_reason=c.finish)
             if token_ids:
                 choice.update(prompt_token_ids=list(c.sreq.prompt), token_ids=c.tokens)
             out.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._head(obj), "choices": out, "usage": self.usage(produced)}
 
-    def chunk(self, delta: str, finish: str | None = None, produced: int | None = None, first=False, index=0) -> str:
+    def chunk(
+        self, delta: str, finish: str | None = None, produced: int | None = None, first=False, index=0, choice=None
+    ) -> str:
+        """One server-sent event of ``choice`` (its index, and the log-probabilities and echo it holds)."""
         if self.chat:
             d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
-            choice = {"index": index, "delta": d, "logprobs": None, "finish_reason": finish}
-            obj = {**self._head("chat.completion.chunk"), "choices": [choice]}
+            logprobs = None if first or choice is None else choice.take_logprobs()
+            choice_obj = {"index": index, "delta": d, "logprobs": logprobs, "finish_reason": finish}
+            obj = {**self._head("chat.completion.chunk"), "choices": [choice_obj]}
         else:
+            echo = "" if choice is None else choice.take_echo()
+            logprobs = None if choice is None else choice.take_logprobs()
             obj = {
                 **self._head("text_completion"),
-                "choices": [{"index": index, "text": delta, "logprobs": None, "finish_reason": finish}],
+                "choices": [{"index": index, "text": echo + delta, "logprobs": logprobs, "finish_reason": finish}],
             }
         if produced is not None:
             obj["usage"] = self.usage(produced)
@@ -402,7 +425,9 @@ class _Formatter:
 
 @dataclasses.dataclass
 class _Choice:
-    """One choice of a request: its slot request, text, tokens and finish reason."""
+    """One choice of a request: its slot request, text, tokens and finish reason; with log-probabilities
+    (``writer``) the tokens and values not yet sent; completions' ``echo``, the prompt text before the first
+    text sent."""
 
     index: int
     sreq: SlotRequest
@@ -410,14 +435,37 @@ class _Choice:
     produced: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)
     finish: str | None = None
+    writer: LogprobsWriter | None = None  # None: the request wants no log-probabilities
+    echo: str = ""
+    _lp_tokens: list[int] = dataclasses.field(default_factory=list)
+    _lp_values: list = dataclasses.field(default_factory=list)
 
     def feed(self, ev) -> str:
-        """Take one event's tokens; returns the text that is safe to send."""
+        """Take one event's tokens (and log-probabilities: an echo's prompt tokens first, the first of them
+        without values); returns the text that is safe to send."""
         self.produced += len(ev.tokens)
         self.tokens += ev.tokens
+        if self.writer is not None:
+            if ev.prompt_logprobs is not None:
+                self._lp_tokens += list(ev.request.prompt)
+                self._lp_values += [(None, None), *ev.prompt_logprobs]
+            self._lp_tokens += ev.tokens
+            self._lp_values += ev.logprobs
         delta = self.text.feed(ev.tokens, final=ev.finish_reason is not None)
         self.finish = "stop" if self.text.stopped else ev.finish_reason
         return delta
+
+    def take_echo(self) -> str:
+        echo, self.echo = self.echo, ""
+        return echo
+
+    def take_logprobs(self):
+        """The ``logprobs`` value of the tokens fed since the last call (None without log-probabilities)."""
+        if self.writer is None:
+            return None
+        out = self.writer.choice(self._lp_tokens, self._lp_values)
+        self._lp_tokens, self._lp_values = [], []
+        return out
 
 
 async def _sse(worker, choices: list[_Choice], events, fmt: _Formatter, metrics, endpoint):
@@ -444,12 +492,13 @@ async def _sse(worker, choices: list[_Choice], events, fmt: _Formatter, metrics,
             delta = c.feed(ev)
             if c.finish is None:
                 if delta:
-                    yield fmt.chunk(delta, index=c.index)
+                    yield fmt.chunk(delta, index=c.index, choice=c)
                 continue
             if c.text.stopped:
                 worker.cancel(c.sreq.id)
             last = all(x.finish is not None for x in choices)
-            yield fmt.chunk(delta, c.finish, sum(x.produced for x in choices) if last else None, index=c.index)
+            produced = sum(x.produced for x in choices) if last else None
+            yield fmt.chunk(delta, c.finish, produced, index=c.index, choice=c)
         yield "data: [DONE]\n\n"
         metrics.tokens(fmt.prompt_tokens, sum(c.produced for c in choices))
         metrics.request(endpoint, "ok")

@@ -3,8 +3,9 @@ an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``), never
 
 The schemas are strict about types: wrong JSON types are refused (no ``"1"`` for a number). The OpenAI
 parameters this server does not implement are refused by name (a 400, ``unsupported_parameter``) unless
-they have their neutral values (``n=1``, no logprobs, zero penalties, no logit bias, ``echo=false``, no
-tools, ...). Top-level fields the OpenAI API does not define at all are ignored, and the request records
+they have their neutral values (``n=1``, zero penalties, no logit bias, no tools, ...).
+Log-probabilities are served (chat ``logprobs`` + ``top_logprobs``, completions ``logprobs``, 0..20
+alternatives, and ``echo``). Top-level fields the OpenAI API does not define at all are ignored, and the request records
 their names (:attr:`_Common.ignored`) for one warning line in the log, as vLLM does: an SDK that adds a
 field does not break its clients. Inside messages and ``stream_options`` unknown fields are refused.
 """
@@ -18,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 MAX_STOP = 4  # stop strings per request, as the OpenAI API
 MAX_CHOICES = 128  # choices per request: n, times the prompts of a completions request
+MAX_LOGPROBS = 20  # top_logprobs (chat) and logprobs (completions), as the OpenAI API
 
 
 class APIError(Exception):
@@ -160,8 +162,7 @@ def parse(schema: type[_Common], body: bytes) -> _Common:
     _check_extra(req)
     _check_common(req)
     if isinstance(req, CompletionRequest):
-        _refuse(req.logprobs not in (None, 0), "logprobs")
-        _refuse(req.echo not in (None, False), "echo")
+        _check_logprobs(req.logprobs, "logprobs")
         _refuse(req.best_of not in (None, 1), "best_of")
         _refuse(req.suffix not in (None, ""), "suffix")
         if isinstance(req.prompt, list) and not req.prompt:
@@ -172,11 +173,24 @@ def parse(schema: type[_Common], body: bytes) -> _Common:
         if choices > MAX_CHOICES:
             raise APIError(400, f"n times the prompts is {choices} choices; at most {MAX_CHOICES}", param="n")
     else:
-        _refuse(req.logprobs not in (None, False), "logprobs")
-        _refuse(req.top_logprobs not in (None, 0), "top_logprobs")
+        _check_logprobs(req.top_logprobs, "top_logprobs")
+        if req.top_logprobs and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if req.max_tokens is not None and req.max_completion_tokens is not None:
             raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
     return req
+
+
+def _check_logprobs(n: int | None, param: str) -> None:
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        raise APIError(400, f"{param} must be in 0..{MAX_LOGPROBS}, got {n}", param=param)
+
+
+def logprobs_wanted(req: _Common) -> int | None:
+    """How many alternatives per token the request wants with its log-probabilities (None: none wanted)."""
+    if isinstance(req, ChatRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
 
 
 def _check_extra(req: _Common) -> None:

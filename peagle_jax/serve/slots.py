@@ -54,6 +54,7 @@ import numpy as np
 from peagle_jax.drafter.model import new_drafter_cache
 from peagle_jax.engine.generator import Generator, RequestError, StepStats, decode_step, sample_jit
 from peagle_jax.engine.overlap import Launched, launch_then_read
+from peagle_jax.logprobs import first_logprobs, host_logprobs, row_logprobs
 from peagle_jax.models import model
 from peagle_jax.platform import MapBudget
 from peagle_jax.sampling import SamplingParams, check_sampling_args, greedy_graph, greedy_modes
@@ -87,16 +88,22 @@ class SlotRequest:
     group: int | None = None
     group_size: int = 1
     id: int = dataclasses.field(default_factory=next_request_id)
+    echo: bool = False  # the admission's event also carries the prompt's log-probabilities (needs logprobs)
 
 
 @dataclasses.dataclass
 class SlotEvent:
     """Tokens a request gained in one step; ``finish_reason`` is set on its last event: "stop" (a stop
-    token, included in ``tokens``), "length" or "cancelled"."""
+    token, included in ``tokens``), "length" or "cancelled". With the engine's :attr:`SlotEngine.logprobs`,
+    ``logprobs`` holds per token its raw log-probability and the top ones:
+    (logprob, [(token id, logprob), ...]), most likely first (:func:`peagle_jax.logprobs.row_logprobs`)."""
 
     request: SlotRequest
     tokens: list[int]
     finish_reason: str | None = None
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # An echo request's admission: the log-probabilities of its prompt tokens after the first, as ``logprobs``.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclasses.dataclass
@@ -162,14 +169,24 @@ class SlotEngine:
     """
 
     def __init__(
-        self, gen: Generator, max_batch: int, *, load_k: Sequence[tuple[int, int]] = (), adaptive: bool = False
+        self,
+        gen: Generator,
+        max_batch: int,
+        *,
+        load_k: Sequence[tuple[int, int]] = (),
+        adaptive: bool = False,
+        logprobs: bool = False,
     ):
         """``load_k``: (n, K') pairs, with at least n active slots a step drafts and verifies a chain of K'
         (0: a plain step). ``adaptive``: each step picks plain, a chain of 1 or the generator's own tree by
-        measured throughput (:class:`peagle_jax.spec.adaptive.AdaptiveK`); excludes ``load_k``."""
+        measured throughput (:class:`peagle_jax.spec.adaptive.AdaptiveK`); excludes ``load_k``. ``logprobs``:
+        every step (and admission) also returns the emitted tokens' raw log-probabilities and the top
+        :data:`~peagle_jax.logprobs.TOP_LOGPROBS` (one flag for all graphs, so that requests that ask for
+        them compile nothing; sets the generator's :attr:`~peagle_jax.engine.generator.Generator.logprobs`)."""
         if max_batch < 1:
             raise RequestError(f"max_batch must be >= 1, got {max_batch}")
         self.gen, self.B = gen, max_batch
+        self.logprobs = gen.logprobs = logprobs
         self._load_k, self._adaptive = tuple(load_k), adaptive
         self.speculative = isinstance(gen, SpeculativeGenerator)
         # The step keys whose graphs still compile in the background (see the module docstring): a drafting
@@ -294,8 +311,9 @@ class SlotEngine:
         top = int(np.flatnonzero(live).max()) + 1
         return next(r for r in self.row_buckets if r >= top)
 
-    def _emit(self, b: int, tokens) -> SlotEvent:
-        """Row b's new tokens up to its stop token or length; frees the slot when the request ends."""
+    def _emit(self, b: int, tokens, logprobs=None) -> SlotEvent:
+        """Row b's new tokens up to its stop token or length; frees the slot when the request ends.
+        ``logprobs``: the tokens' (:attr:`SlotEvent.logprobs`), cut as they are."""
         slot = self.slots[b]
         out, finish = [], None
         for tok in tokens:
@@ -308,7 +326,7 @@ class SlotEngine:
             if finish:
                 self._release(b)
                 break
-        return SlotEvent(slot.request, out, finish)
+        return SlotEvent(slot.request, out, finish, None if logprobs is None else logprobs[: len(out)])
 
     def _release(self, b: int) -> None:
         """Free slot b; its row idles at a small position from now on."""
@@ -333,10 +351,18 @@ class SlotEngine:
         sampling = SamplingParams.make(1, req.temperature, req.top_k, req.top_p)
         seed = jnp.asarray([req.seed], jnp.uint32)
         greedy = greedy_graph(req.temperature)
+        echoed = []  # the prompt's log-probabilities per chunk, for an echo
+        on_logprobs = None
+        if req.echo and self.logprobs:
+
+            def on_logprobs(lp, start, T):
+                n = min(len(prompt) - start, T)
+                echoed.extend(row_logprobs(host_logprobs(lp, T), 0, n))
+
         grouped = req.group is not None and self._shared is not None and self._shared[0] == req.group
         shared = self._shared if grouped else None
         if shared is not None:
-            prefilled = shared[1]
+            prefilled, echoed = shared[1], shared[3]
             shared[2] -= 1
             if shared[2] <= 0:
                 self._shared = None
@@ -346,17 +372,20 @@ class SlotEngine:
             # The drafter is kept current where drafting pays, or where an exploration is due: it measures
             # the acceptance on this row (AdaptiveK.explore_due), so a low estimate can still recover.
             synced = not self.lazy or self.policy.pays(R) or self.policy.explore_due(R)
-            prefilled = gen.prefill_both([prompt], 1, drafter=synced)
+            prefilled = gen.prefill_both([prompt], 1, drafter=synced, on_logprobs=on_logprobs)
             self.unsynced_admits += not synced
         else:
-            prefilled = gen.prefill([prompt], 1)
+            prefilled = gen.prefill([prompt], 1, on_logprobs=on_logprobs)
         if shared is None and req.group is not None and req.group_size > 1:
-            self._shared = [req.group, prefilled, req.group_size - 1]
+            self._shared = [req.group, prefilled, req.group_size - 1, echoed]
         if self.speculative:
             logits, cache1, dcache1, aux1 = prefilled
         else:
             logits, cache1 = prefilled
         first = int(sample_jit(logits, sampling, seed, jnp.asarray([len(prompt)], jnp.int32), greedy_only=greedy)[0])
+        lps = None
+        if self.logprobs:
+            lps = row_logprobs(host_logprobs(first_logprobs(logits[:, None], jnp.asarray([[first]])), 1), 0, 1)
         self.cache = put_row(self.cache, cache1, jnp.int32(b))
         if self.speculative:
             self._seed_context(b, len(prompt), dcache1, aux1, first)
@@ -368,7 +397,10 @@ class SlotEngine:
         self._t_admit = time.perf_counter()
         stops = gen.cfg.eos_token_ids if req.stop_token_ids is None else req.stop_token_ids
         self.slots[b] = _Slot(req, frozenset(int(t) for t in stops))
-        return self._emit(b, [first])
+        event = self._emit(b, [first], lps)
+        if req.echo and self.logprobs:
+            event.prompt_logprobs = echoed[:-1]  # the last predicts the first generated token: in ``logprobs``
+        return event
 
     def _seed_context(self, b: int, length: int, dcache1, aux1, root: int) -> None:
         """Row b's drafter state after a prefill of its first ``length`` committed tokens (all but the last,
@@ -542,7 +574,7 @@ class SlotEngine:
         else:
             t0 = time.perf_counter()
             positions = self.positions[:R]
-            next_R, self.cache = decode_step(
+            next_R, self.cache, *lp = decode_step(
                 gen.params,
                 self.cache,
                 host_copy(self.pending[:R]) if root is None else root,
@@ -552,9 +584,10 @@ class SlotEngine:
                 cfg=gen.cfg,
                 greedy_only=greedy_only,
                 window=gen.window(int(positions[live_R].max()) + 1),
+                logprobs=self.logprobs,
             )
             positions += live_R.astype(np.int32)  # in place: the first R of self.positions
-            launched = Launched(next_R, np.array(live_R, bool), t0, ids=ids)
+            launched = Launched(next_R, np.array(live_R, bool), t0, ids=ids, logprobs=lp[0] if lp else None)
         self.steps_by_k[0] = self.steps_by_k.get(0, 0) + 1
         return launched
 
@@ -570,7 +603,11 @@ class SlotEngine:
         else:
             self.pending[: launched.R] = np.where(valid, next_R, self.pending[: launched.R])
         self._record(launched.R, 0, now, learn=record)
-        return [self._emit(b, next_R[b : b + 1]) for b in np.flatnonzero(valid)]
+        lp = None if launched.logprobs is None else host_logprobs(launched.logprobs, 1)
+        return [
+            self._emit(b, next_R[b : b + 1], None if lp is None else row_logprobs(lp, b, 1))
+            for b in np.flatnonzero(valid)
+        ]
 
     def _record(self, R: int, k: int, now: float, counts=(), *, learn: bool = True) -> None:
         """A step of ``k`` over R rows was read at ``now``: the policy learns the time since the last read
@@ -591,7 +628,11 @@ class SlotEngine:
         # The policy learns the acceptance of synced rows only: the others drafted from a stale context.
         self._record(R, k, time.perf_counter(), count[live[:R] & self.state.synced[:R]], learn=record)
         self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
-        return [self._emit(b, tokens[b, : int(count[b])]) for b in np.flatnonzero(live)]
+        lp = self.gen.step_logprobs if self.logprobs else None
+        return [
+            self._emit(b, tokens[b, : int(count[b])], None if lp is None else row_logprobs(lp, b, int(count[b])))
+            for b in np.flatnonzero(live)
+        ]
 
     # -- compilation -------------------------------------------------------------------------------------
 
@@ -675,7 +716,7 @@ class SlotEngine:
         gen.stats = StepStats()
         if self.speculative:
             gen.spec = SpecStats(accepted_per_position=[0] * gen.K)
-        twin = SlotEngine(gen, self.B, load_k=self._load_k, adaptive=self._adaptive)
+        twin = SlotEngine(gen, self.B, load_k=self._load_k, adaptive=self._adaptive, logprobs=self.logprobs)
         twin.overlap, twin.compiling = self.overlap, self.compiling
         return twin
 

@@ -29,6 +29,7 @@ from peagle_jax.drafter.draft import drafter_prefill, fused_mask_hidden, paralle
 from peagle_jax.drafter.model import new_drafter_cache
 from peagle_jax.engine.generator import Generator, RequestError, sample_jit
 from peagle_jax.engine.overlap import Launched, launch_then_read
+from peagle_jax.logprobs import TokenLogprobs, host_logprobs
 from peagle_jax.models.config import ModelConfig
 from peagle_jax.sampling import SamplingParams, greedy_graph
 from peagle_jax.spec.adaptive import AdaptiveK, adaptive_policy, step_trees
@@ -97,6 +98,9 @@ class SpeculativeGenerator(Generator):
         self.mask_g = None if sequential else fused_mask_hidden(dparams, cfg=dcfg)
         self.embed = None if dcfg.own_embedding else params["embed_tokens"]
         self.spec = SpecStats(accepted_per_position=[0] * self.K)
+        # With :attr:`logprobs`: the last step's emitted tokens' log-probabilities on the host, [R, K + 1]
+        # as its tokens (:func:`peagle_jax.logprobs.host_logprobs`).
+        self.step_logprobs: TokenLogprobs | None = None
         self.choices = step_trees(tree)  # the step lengths an adaptive policy chooses from: K' -> tree
         # Whether a step waits for its draft before launching the verify, to time the two apart
         # (SpecStats.draft_s; python -m peagle_jax.bench.spec). Otherwise the verify is launched on the
@@ -113,7 +117,7 @@ class SpeculativeGenerator(Generator):
             self.params, cache, self.dparams, dcache, jnp.asarray(tokens), aux, jnp.asarray(count),
             jnp.asarray(start), self.mask_g, self.embed, jnp.asarray(root), jnp.asarray(q), seeds, sampling,
             cfg=self.cfg, dcfg=self.dcfg, tree=tree, sequential=self.sequential, draft_window=window, window=window,
-            greedy_only=greedy_only,
+            greedy_only=greedy_only, logprobs=self.logprobs,
         )  # fmt: skip
 
     def _draft_window(self, start) -> int:
@@ -128,11 +132,12 @@ class SpeculativeGenerator(Generator):
             return sequential_draft(*args, self.embed, **kw)
         return parallel_draft(*args, self.mask_g, self.embed, **kw)
 
-    def prefill_both(self, prompts: Sequence[Sequence[int]], batch: int, drafter: bool = True):
+    def prefill_both(self, prompts: Sequence[Sequence[int]], batch: int, drafter: bool = True, on_logprobs=None):
         """Prefill the target and seed the drafter with the prompts (padded to ``batch`` rows). Returns
         (last-token logits [batch, V], target cache, drafter cache, aux [batch, X] of each last prompt
         position: the aux half of the first draft's context element). Without ``drafter`` the drafter is
-        not run (its cache is None), for a row the slot engine leaves unsynced (:attr:`SpecState.synced`)."""
+        not run (its cache is None), for a row the slot engine leaves unsynced (:attr:`SpecState.synced`).
+        ``on_logprobs``: the prompt's log-probabilities, as :meth:`Generator.prefill`'s."""
         lengths = np.array([len(p) for p in prompts] + [1] * (batch - len(prompts)), np.int32)
         dcache = new_drafter_cache(self.dcfg, batch, self.cache_slots(batch)) if drafter else None
         if drafter and self.mesh is not None:
@@ -165,7 +170,7 @@ class SpeculativeGenerator(Generator):
             aux_last = jnp.take_along_axis(out.aux, jnp.asarray(at)[:, None, None], axis=1)[:, 0]
             last_aux[0] = aux_last if last_aux[0] is None else jnp.where(here, aux_last, last_aux[0])
 
-        logits, cache = self.prefill(prompts, batch, on_chunk=seed_drafter)
+        logits, cache = self.prefill(prompts, batch, on_chunk=seed_drafter, on_logprobs=on_logprobs)
         return logits, cache, dcache, last_aux[0]
 
     def step(self, cache, dcache, state: SpecState, seeds, sampling, *, greedy_only: bool, live, tree=None):
@@ -211,10 +216,12 @@ class SpeculativeGenerator(Generator):
                 tree=tree,
                 window=window,
                 greedy_only=greedy_only,
+                logprobs=self.logprobs,
             )
         tokens, count, aux = np.asarray(out.tokens), np.asarray(out.count), out.aux
         if tree.depth < self.K:
             tokens = np.pad(tokens, ((0, 0), (0, self.K - tree.depth)))
+        self.step_logprobs = None if out.logprobs is None else host_logprobs(out.logprobs, self.K + 1)
         t2 = time.perf_counter()
         self.stats.decode_steps += 1
         for c in count[live]:
@@ -253,6 +260,7 @@ class SpeculativeGenerator(Generator):
         next_R = np.asarray(launched.tokens)
         state.commit_plain(next_R, launched.at, live)
         self.spec.verify_s += time.perf_counter() - launched.t_launch
+        self.step_logprobs = None if launched.logprobs is None else host_logprobs(launched.logprobs, self.K + 1)
         return self._plain_tokens(next_R), np.ones(len(live), np.int32), cache, dcache
 
     def _plain_tokens(self, next_R: np.ndarray) -> np.ndarray:
@@ -271,7 +279,7 @@ class SpeculativeGenerator(Generator):
         t0, R = time.perf_counter(), len(live)
         dcache = self.make_room(dcache, state, R, lazy=lazy)
         # Copies: the host state moves on at once, maybe while the step still reads it.
-        next_R, cache, state.ctx_aux = plain_step(
+        next_R, cache, state.ctx_aux, *lp = plain_step(
             self.params,
             cache,
             state.ctx_aux,
@@ -284,11 +292,12 @@ class SpeculativeGenerator(Generator):
             cfg=self.cfg,
             window=self.window(int(state.q[:R][live].max(initial=0)) + 1),
             greedy_only=greedy_only,
+            logprobs=self.logprobs,
         )
         at = state.advance_plain(live)
         self.stats.decode_steps += 1
         self.spec.plain_forwards += int(np.sum(live))
-        return Launched(next_R, np.array(live, bool), t0, at=at), cache, dcache
+        return Launched(next_R, np.array(live, bool), t0, at=at, logprobs=lp[0] if lp else None), cache, dcache
 
     def needs_flush(self, state: SpecState, rows: int, full: int | None = None, lazy: bool = False) -> bool:
         """Whether :meth:`make_room` would write the pending context (one of the first ``rows`` rows holds

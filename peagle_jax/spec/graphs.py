@@ -24,7 +24,7 @@ from peagle_jax.spec.verify import verify
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "dcfg", "tree", "sequential", "draft_window", "window", "greedy_only"),
+    static_argnames=("cfg", "dcfg", "tree", "sequential", "draft_window", "window", "greedy_only", "logprobs"),
     donate_argnames=("cache", "dcache"),
 )
 def fused_step(
@@ -50,8 +50,10 @@ def fused_step(
     draft_window,
     window,
     greedy_only,
+    logprobs=False,
 ):
-    """Draft and verify in one graph (one device launch per step): the two jitted functions inline."""
+    """Draft and verify in one graph (one device launch per step): the two jitted functions inline.
+    ``logprobs`` (static): the verify's output carries the emitted tokens' log-probabilities."""
     kw = dict(cfg=dcfg, K=tree.depth, top_n=tree.width, window=draft_window)
     if sequential:
         draft, dcache = sequential_draft(dparams, dcache, ctx_tokens, ctx_aux, ctx_count, ctx_start, embed, **kw)
@@ -69,6 +71,7 @@ def fused_step(
         tree=tree,
         window=window,
         greedy_only=greedy_only,
+        logprobs=logprobs,
     )
     return out, cache, dcache
 
@@ -87,17 +90,25 @@ def _write_context(ctx_aux_BQX, aux_RPX, at_R, live_R):
 write_context = jax.jit(_write_context, donate_argnums=0)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "window", "greedy_only"), donate_argnames=("cache", "ctx_aux"))
-def plain_step(params, cache, ctx_aux, root_R, q_R, at_R, live_R, seeds_R, sampling, *, cfg, window, greedy_only):
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "window", "greedy_only", "logprobs"), donate_argnames=("cache", "ctx_aux")
+)
+def plain_step(
+    params, cache, ctx_aux, root_R, q_R, at_R, live_R, seeds_R, sampling, *, cfg, window, greedy_only, logprobs=False
+):
     """A plain step inside speculative decoding, in one graph: the target decodes each row's root (the verify
     of ``chain(0)``) and the root's aux state joins the row's pending draft context at slot ``at`` (live rows
-    of the first R; ``ctx_aux`` holds B >= R rows). Returns (next token [R], cache, ctx_aux)."""
+    of the first R; ``ctx_aux`` holds B >= R rows). Returns (next token [R], cache, ctx_aux), and with
+    ``logprobs`` (static) the next tokens' :class:`~peagle_jax.logprobs.TokenLogprobs` [R, 1] last."""
     none_R01 = jnp.zeros((root_R.shape[0], 0, 1), jnp.int32)
     out, cache = verify(
         params, cache, root_R, none_R01, q_R, seeds_R, sampling, cfg=cfg, tree=chain(0), window=window,
-        greedy_only=greedy_only,
+        greedy_only=greedy_only, logprobs=logprobs,
     )  # fmt: skip
-    return out.tokens[:, 0], cache, _write_context(ctx_aux, out.aux, at_R, live_R)
+    ctx_aux = _write_context(ctx_aux, out.aux, at_R, live_R)
+    if not logprobs:
+        return out.tokens[:, 0], cache, ctx_aux
+    return out.tokens[:, 0], cache, ctx_aux, out.logprobs
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "window"), donate_argnames=("dcache", "ctx_aux"))

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from peagle_jax.logprobs import TokenLogprobs, token_logprobs
 from peagle_jax.models import model
 from peagle_jax.models.config import ModelConfig
 from peagle_jax.ops import argmax_first
@@ -34,11 +35,13 @@ class VerifyOut(NamedTuple):
     """For a tree of depth K, P = K + 1: ``tokens`` [B, P] the emitted tokens (the accepted drafts then the
     bonus token; 0 past ``count``), ``count`` [B] how many (1..P; the accepted drafts are ``count - 1``),
     ``aux`` [B, P, X] the target aux hidden states of the root and the accepted nodes (the next draft's
-    context; past ``count``, the root's again)."""
+    context; past ``count``, the root's again); ``logprobs`` the raw log-probabilities of the emitted tokens
+    and the top ones at each, from the logits at the path node before each (None unless asked for)."""
 
     tokens: jax.Array
     count: jax.Array
     aux: jax.Array
+    logprobs: TokenLogprobs | None = None  # [B, P] of the emitted tokens, with ``logprobs`` on (0 past count)
 
 
 def _node_choices(logits_BTV, sampling, seeds_B, positions_BT, greedy_only):
@@ -71,7 +74,9 @@ def _compact(cache_BGSH, q_B, path_BK):
     return cache_BGSH.at[b_BK, :, q_B[:, None] + 1 + jnp.arange(K)[None, :]].set(moved_BKGH)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "tree", "window", "greedy_only"), donate_argnames=("cache",))
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "tree", "window", "greedy_only", "logprobs"), donate_argnames=("cache",)
+)
 def verify(
     params,
     cache,
@@ -85,6 +90,7 @@ def verify(
     tree: Tree,
     window: int,
     greedy_only: bool,
+    logprobs: bool = False,
 ):
     """Verify one static tree of drafts per row against the target, in one forward pass.
 
@@ -92,7 +98,9 @@ def verify(
     ``draft_tokens`` [B, K, top_n] the draft's candidates per depth (target ids, :class:`Draft.tokens
     <peagle_jax.drafter.draft.Draft>`). Writes the root and the tree at
     slots ``q .. q + size`` (tree mask, RoPE positions ``q + depth``), accepts, and compacts the accepted
-    path. Returns ``(VerifyOut, cache)``; the row's next root is ``tokens[count-1]`` at ``q + count``.
+    path. Returns ``(VerifyOut, cache)``; the row's next root is ``tokens[count-1]`` at ``q + count``. With
+    ``logprobs`` (static), ``VerifyOut.logprobs`` holds the emitted tokens' log-probabilities: emitted token k
+    is drawn from the logits at the path's node of depth k, the same prefix plain decoding sees.
     """
     K, T = tree.depth, tree.size + 1
     depths = jnp.asarray((0, *tree.depths), jnp.int32)
@@ -124,8 +132,12 @@ def verify(
     emitted_BP = jnp.take_along_axis(y_BT, path_nodes_BP, axis=1)
     emitted_BP = jnp.where(ks < count_B[:, None], emitted_BP, 0)
     aux_BPX = jnp.take_along_axis(out.aux, path_nodes_BP[:, :, None], axis=1)
+    lp = None
+    if logprobs:  # the log-softmax over the P path nodes only, not the whole tree
+        lp = token_logprobs(jnp.take_along_axis(out.logits, path_nodes_BP[:, :, None], axis=1), emitted_BP)
+        lp = lp._replace(logprob=jnp.where(ks < count_B[:, None], lp.logprob, 0.0))
     if not tree.is_chain:  # a chain's path already sits at slots q+1..q+K
         cache = model.KVCache(
             tuple(_compact(k, q_B, path_BK) for k in cache.k), tuple(_compact(v, q_B, path_BK) for v in cache.v)
         )
-    return VerifyOut(emitted_BP.astype(jnp.int32), count_B.astype(jnp.int32), aux_BPX), cache
+    return VerifyOut(emitted_BP.astype(jnp.int32), count_B.astype(jnp.int32), aux_BPX, lp), cache
