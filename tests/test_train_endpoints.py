@@ -5,6 +5,8 @@ also when one server is killed mid-run and when the run is resumed; bad endpoint
 from __future__ import annotations
 
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
@@ -113,3 +115,64 @@ def test_recipe_keys_are_checked():
         DataConfig(regen_endpoints="a:1")
     with pytest.raises(ConfigError, match="data.regen_concurrency must be >= 1"):
         DataConfig(regen_concurrency=0)
+
+
+class _Fake(BaseHTTPRequestHandler):
+    """A stand-in completions server: ``ok`` answers the prompt reversed as token ids; ``cut`` drops the
+    connection mid-answer (a server killed mid-request); ``500`` fails; ``no_ids`` ignores return_token_ids;
+    ``bos`` reports a prompt with a BOS added."""
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        mode = self.server.mode
+        self.server.calls += 1
+        choice = {"text": "x", "finish_reason": "length", "prompt_token_ids": body["prompt"]}
+        if mode == "ok":
+            choice["token_ids"] = body["prompt"][::-1]
+        elif mode == "bos":
+            choice.update(token_ids=[1], prompt_token_ids=[0, *body["prompt"]])
+        raw = json.dumps({"choices": [choice]}).encode()
+        self.send_response(500 if mode == "500" else 200)
+        self.send_header("Content-Length", str(len(raw) + (100 if mode == "cut" else 0)))
+        self.end_headers()
+        self.wfile.write(raw[: len(raw) // 2] if mode == "cut" else raw)
+        if mode == "cut":
+            self.close_connection = True
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake():
+    """fake(mode) -> (base URL, server): a stand-in server in a thread, stopped after the test."""
+    started = []
+
+    def start(mode):
+        srv = ThreadingHTTPServer(("127.0.0.1", 0), _Fake)
+        srv.mode, srv.calls = mode, 0
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        started.append(srv)
+        return f"http://127.0.0.1:{srv.server_port}", srv
+
+    yield start
+    for srv in started:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_failing_servers_hand_their_prompts_to_the_others(fake):
+    (cut, cut_srv), (err, err_srv), (ok, ok_srv) = fake("cut"), fake("500"), fake("ok")
+    prompts = [[i, i + 1, i + 2] for i in range(10)]
+    gen = EndpointGenerator([cut, err, ok], model="m", concurrency=2, retry_wait_s=0)
+    out = gen.generate(prompts, max_new_tokens=3)
+    assert [r.token_ids for r in out] == [p[::-1] for p in prompts]
+    assert ok_srv.calls == 10 and cut_srv.calls > 0 and err_srv.calls > 0
+
+
+@pytest.mark.parametrize(("mode", "match"), [("no_ids", "return_token_ids"), ("bos", "other prompt token ids")])
+def test_a_server_that_cannot_answer_exactly_stops_at_once(fake, mode, match):
+    url, srv = fake(mode)
+    with pytest.raises(DataError, match=match):
+        EndpointGenerator([url, url], model="m", retry_wait_s=0).generate([[1, 2]], max_new_tokens=2)
+    assert srv.calls == 1  # not retried
