@@ -79,14 +79,29 @@ def test_two_servers_one_killed_mid_run_equal_in_process_regeneration(model_dir,
     assert _shards(tmp_path / "remote") == _shards(tmp_path / "ref")
 
 
-def test_the_server_returns_token_ids_and_stops_at_extra_stop_ids(servers):
+def test_the_server_returns_token_ids_and_stops_at_extra_stop_ids(model_dir, servers):
     alive = next(s for s in servers if s.proc.poll() is None)
     model = json.loads(http(alive.base, "GET", "/v1/models")[2])["data"][0]["id"]
     body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "return_token_ids": True}
     status, _, raw = http(alive.base, "POST", "/v1/completions", json.dumps(body))
     assert status == 200, raw
     choice = json.loads(raw)["choices"][0]
-    assert choice["prompt_token_ids"] == [5, 6, 7] and len(choice["token_ids"]) == 6
+    cfg, params = load_target_any(model_dir)
+    (ref,) = Generator(cfg, params, max_seq_len=64).generate([[5, 6, 7]], max_new_tokens=6, temperature=0.0)
+    assert choice["prompt_token_ids"] == [5, 6, 7] and choice["token_ids"] == ref.token_ids[:6]
+    # Several prompts: each choice carries its own prompt's ids.
+    status, _, raw = http(alive.base, "POST", "/v1/completions", json.dumps({**body, "prompt": [[5, 6, 7], [9, 8]]}))
+    choices = json.loads(raw)["choices"]
+    assert [c["prompt_token_ids"] for c in choices] == [[5, 6, 7], [9, 8]] and choices[0] == choice
+    # Chat (vLLM's shape): the prompt's ids once in the response, the answer's in each choice; the ids are
+    # those a completions request with that prompt answers.
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0}
+    status, _, raw = http(alive.base, "POST", "/v1/chat/completions", json.dumps({**chat, "return_token_ids": True}))
+    assert status == 200, raw
+    reply = json.loads(raw)
+    again = {**body, "prompt": reply["prompt_token_ids"]}
+    plain = json.loads(http(alive.base, "POST", "/v1/completions", json.dumps(again))[2])["choices"][0]
+    assert reply["choices"][0]["token_ids"] == plain["token_ids"] and "prompt_token_ids" not in reply["choices"][0]
     first = choice["token_ids"][0]
     status, _, raw = http(alive.base, "POST", "/v1/completions", json.dumps({**body, "stop_token_ids": [first]}))
     choice = json.loads(raw)["choices"][0]
