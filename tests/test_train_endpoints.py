@@ -142,6 +142,13 @@ class _Fake(BaseHTTPRequestHandler):
     connection mid-answer (a server killed mid-request); ``500`` fails; ``no_ids`` ignores return_token_ids;
     ``bos`` reports a prompt with a BOS added."""
 
+    def do_GET(self):  # /v1/models: the mode names the model
+        raw = json.dumps({"object": "list", "data": [{"id": self.server.mode, "object": "model"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         mode = self.server.mode
@@ -188,6 +195,13 @@ def test_failing_servers_hand_their_prompts_to_the_others(fake):
     out = gen.generate(prompts, max_new_tokens=3)
     assert [r.token_ids for r in out] == [p[::-1] for p in prompts]
     assert ok_srv.calls == 10 and cut_srv.calls > 0 and err_srv.calls > 0
+
+
+def test_servers_of_different_models_are_refused(fake):
+    (a, _), (b, _), (down, _) = fake("ok"), fake("no_ids"), ("http://127.0.0.1:9", None)
+    assert EndpointGenerator([down, a], timeout_s=5).model == "ok"
+    with pytest.raises(DataError, match="serve different models"):
+        EndpointGenerator([a, b, down], timeout_s=5)
 
 
 @pytest.mark.parametrize(("mode", "match"), [("no_ids", "return_token_ids"), ("bos", "other prompt token ids")])

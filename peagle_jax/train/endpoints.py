@@ -111,14 +111,20 @@ class EndpointGenerator:
             raise OSError(f"{url}: {type(err).__name__} {err}") from None
 
     def _model_name(self) -> str:
-        """The model the first reachable endpoint serves (``GET /v1/models``)."""
-        errors = []
+        """The model the reachable endpoints serve (``GET /v1/models``); servers of different models are
+        refused, since their answers would be mixed in one data set."""
+        names, errors = {}, []
         for url in self.urls:
             try:
-                return self._request(f"{url}/v1/models")["data"][0]["id"]
+                names[url] = self._request(f"{url}/v1/models")["data"][0]["id"]
             except (OSError, KeyError, IndexError, TypeError, _Refused) as err:
                 errors.append(f"{url}: {err}")
-        raise DataError("data.regen_endpoints: no server answered GET /v1/models (" + "; ".join(errors) + ")")
+        if not names:
+            raise DataError("data.regen_endpoints: no server answered GET /v1/models (" + "; ".join(errors) + ")")
+        if len(set(names.values())) > 1:
+            served = ", ".join(f"{u}: {n}" for u, n in names.items())
+            raise DataError(f"data.regen_endpoints: the servers serve different models ({served})")
+        return next(iter(names.values()))
 
     def _one(self, prompt: list[int], *, max_new_tokens, temperature, seed, stop_token_ids) -> EndpointResult:
         body = {
