@@ -396,11 +396,16 @@ class _Formatter:
             else:
                 choice = {"index": c.index, "text": c.take_echo() + c.text.text}
             choice.update(logprobs=c.take_logprobs(), finish_reason=c.finish)
-            if token_ids:
-                choice.update(prompt_token_ids=list(c.sreq.prompt), token_ids=c.tokens)
+            if token_ids:  # vLLM's return_token_ids: the prompt's ids in each choice, once per chat response
+                choice["token_ids"] = c.tokens
+                if not self.chat:
+                    choice["prompt_token_ids"] = list(c.sreq.prompt)
             out.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(obj), "choices": out, "usage": self.usage(produced)}
+        body = {**self._head(obj), "choices": out, "usage": self.usage(produced)}
+        if token_ids and self.chat:
+            body["prompt_token_ids"] = list(choices[0].sreq.prompt)
+        return body
 
     def chunk(
         self, delta: str, finish: str | None = None, produced: int | None = None, first=False, index=0, choice=None

@@ -77,7 +77,8 @@ class TrainConfig:
 
 def _coerce(cls, key: str, value: Any, kind: type) -> Any:
     """``value`` as ``kind`` (int, float, str or bool); YAML 1.1 reads ``6e-4`` as a string, so numbers
-    written that way are accepted too."""
+    written that way are accepted too, and a list of strings given for a string key is read as its
+    comma-separated form (keys that take several values, as ``data.regen_endpoints``)."""
     bad = ConfigError(f"{cls.__name__}: {key} expects a {kind.__name__}, got {value!r}")
     if kind is bool:
         if isinstance(value, bool):
@@ -88,6 +89,8 @@ def _coerce(cls, key: str, value: Any, kind: type) -> Any:
     if kind is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            return ",".join(value)
         raise bad
     if kind is int:
         if isinstance(value, int):

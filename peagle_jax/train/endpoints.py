@@ -9,11 +9,14 @@ ids (no detokenize / retokenize drift). The prompts of a batch go out concurrent
 per endpoint. A prompt whose endpoint fails (refused connection, timeout, a 5xx or a malformed answer) is
 sent to the next endpoint; after ``attempts`` failures in a row it stops the run with a
 :class:`~peagle_jax.train.prompts.DataError` that names the endpoints and their last errors (finished shards
-are kept: running again resumes). A 4xx is the request's own fault and stops the run at once.
+are kept: running again resumes). A 4xx is the request's own fault and stops the run at once, and so does a
+server that answers without the token ids or with other prompt token ids than those sent (it does not
+implement ``return_token_ids``, or it rewrote the prompt): retrying could only mix its answers in.
 """
 
 from __future__ import annotations
 
+import http.client
 import itertools
 import json
 import threading
@@ -36,7 +39,7 @@ class EndpointResult:
 
 
 class _Refused(Exception):
-    """The server answered the request with a 4xx: retrying elsewhere would not help."""
+    """The server refused the request (a 4xx) or cannot answer it exactly: retrying would not help."""
 
 
 def parse_endpoints(spec: str) -> list[str]:
@@ -46,6 +49,20 @@ def parse_endpoints(spec: str) -> list[str]:
         if not u.startswith(("http://", "https://")):
             raise DataError(f"data.regen_endpoints: {u!r} is not an http:// or https:// URL")
     return [u[: -len("/v1")] if u.endswith("/v1") else u for u in urls]
+
+
+def _token_ids(url: str, choice: dict, prompt: list[int]) -> list[int]:
+    """The answer's token ids from a completions choice, refusing a server that does not return them or that
+    saw other prompt ids (vLLM before 0.10.2 ignores ``return_token_ids``; a server may add a BOS)."""
+    ids, seen = choice.get("token_ids"), choice.get("prompt_token_ids")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise _Refused(
+            f"{url} answered without token ids: it needs the return_token_ids extension "
+            "(vLLM >= 0.10.2 or python -m peagle_jax.serve)"
+        )
+    if seen is not None and list(seen) != prompt:
+        raise _Refused(f"{url} generated from other prompt token ids than those sent (a BOS added?)")
+    return ids
 
 
 class EndpointGenerator:
@@ -90,16 +107,24 @@ class EndpointGenerator:
             raise OSError(f"{url} answered {err.code}: {detail}") from None
         except json.JSONDecodeError as err:
             raise OSError(f"{url} answered something that is not JSON ({err})") from None
+        except http.client.HTTPException as err:  # a connection cut mid-answer (a server killed mid-request)
+            raise OSError(f"{url}: {type(err).__name__} {err}") from None
 
     def _model_name(self) -> str:
-        """The model the first reachable endpoint serves (``GET /v1/models``)."""
-        errors = []
+        """The model the reachable endpoints serve (``GET /v1/models``); servers of different models are
+        refused, since their answers would be mixed in one data set."""
+        names, errors = {}, []
         for url in self.urls:
             try:
-                return self._request(f"{url}/v1/models")["data"][0]["id"]
+                names[url] = self._request(f"{url}/v1/models")["data"][0]["id"]
             except (OSError, KeyError, IndexError, TypeError, _Refused) as err:
                 errors.append(f"{url}: {err}")
-        raise DataError("data.regen_endpoints: no server answered GET /v1/models (" + "; ".join(errors) + ")")
+        if not names:
+            raise DataError("data.regen_endpoints: no server answered GET /v1/models (" + "; ".join(errors) + ")")
+        if len(set(names.values())) > 1:
+            served = ", ".join(f"{u}: {n}" for u, n in names.items())
+            raise DataError(f"data.regen_endpoints: the servers serve different models ({served})")
+        return next(iter(names.values()))
 
     def _one(self, prompt: list[int], *, max_new_tokens, temperature, seed, stop_token_ids) -> EndpointResult:
         body = {
@@ -118,10 +143,7 @@ class EndpointGenerator:
             url = self.urls[(first + attempt) % len(self.urls)]
             try:
                 choice = self._request(f"{url}/v1/completions", body)["choices"][0]
-                ids, finish = choice["token_ids"], choice["finish_reason"]
-                if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-                    raise OSError(f"{url} answered without token ids (does it support return_token_ids?)")
-                return EndpointResult([int(t) for t in ids], str(finish))
+                return EndpointResult(_token_ids(url, choice, body["prompt"]), str(choice["finish_reason"]))
             except _Refused as err:
                 raise DataError(f"data.regen_endpoints: {err}") from None
             except (OSError, KeyError, IndexError, TypeError) as err:
@@ -135,6 +157,9 @@ class EndpointGenerator:
         seeds = list(seed) if isinstance(seed, Sequence) else [seed + i for i in range(len(prompts))]
         kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_token_ids)
         workers = max(1, min(len(prompts), self.concurrency * len(self.urls)))
-        with ThreadPoolExecutor(workers, thread_name_prefix="regen") as pool:
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="regen")
+        try:
             futures = [pool.submit(self._one, p, seed=s, **kw) for p, s in zip(prompts, seeds, strict=True)]
             return [f.result() for f in futures]
+        finally:  # on an error, the prompts not yet sent are dropped rather than tried in vain
+            pool.shutdown(wait=True, cancel_futures=True)

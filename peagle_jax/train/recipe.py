@@ -27,9 +27,9 @@ class DataConfig:
     per prompt, greedy at ``temperature`` 0, ``regen_batch`` prompts at a time, ``shard_size`` prompts per
     resumable shard) or ``dataset`` (the file's own first answer, cut at ``max_new_tokens``: no
     generation, the target's distribution still supervises every position); prompts longer than
-    ``max_prompt_tokens`` are skipped (counted in the log). ``regen_endpoints``: comma-separated base URLs
-    of OpenAI-compatible servers of the same target (vLLM, ``python -m peagle_jax.serve``) that regenerate
-    instead of this process, ``regen_concurrency`` requests at a time per server
+    ``max_prompt_tokens`` are skipped (counted in the log). ``regen_endpoints``: base URLs (comma-separated,
+    or a YAML list) of OpenAI-compatible servers of the same target (vLLM, ``python -m peagle_jax.serve``)
+    that regenerate instead of this process, ``regen_concurrency`` requests at a time per server
     (:mod:`peagle_jax.train.endpoints`)."""
 
     prompts: str = "sharegpt"
