@@ -193,8 +193,9 @@ def check_logprobs(base: str, model: str, model_dir: Path) -> None:
 
     common = {"max_tokens": 12, "temperature": 0.9, "seed": 5}
     chat = {**common, "messages": [{"role": "user", "content": "log me"}], "logprobs": True, "top_logprobs": 5}
-    answer = post("/v1/chat/completions", {**chat, "return_token_ids": True})["choices"][0]
-    ids, prompt = answer["token_ids"], answer["prompt_token_ids"]
+    body = post("/v1/chat/completions", {**chat, "return_token_ids": True})
+    answer = body["choices"][0]
+    ids, prompt = answer["token_ids"], body["prompt_token_ids"]  # vLLM's chat shape: prompt ids once, on top
     ref = reference(prompt + ids)[len(prompt) - 1 : -1]
     content = answer["logprobs"]["content"]
     assert [e["token"] for e in content] == [tok.decode([t]) for t in ids]

@@ -8,7 +8,14 @@ import json
 
 import pytest
 
-from peagle_jax.serve.protocol import CHAT_NOT_IMPLEMENTED, APIError, ChatRequest, CompletionRequest, parse
+from peagle_jax.serve.protocol import (
+    CHAT_NOT_IMPLEMENTED,
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    logprobs_wanted,
+    parse,
+)
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
 COMPLETION = {"model": "m", "prompt": "x"}
@@ -48,6 +55,10 @@ def test_chat_parameters_not_implemented_are_refused_by_name_unless_neutral(name
         ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
         ({**CHAT, "logit_bias": {"5": 1.0}}, "logit_bias"),
         ({**COMPLETION, "best_of": 2}, "best_of"),
+        ({**COMPLETION, "logprobs": 21}, "logprobs"),
+        ({**COMPLETION, "logprobs": -1}, "logprobs"),
+        ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({**CHAT, "top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
     ],
 )
 def test_what_stays_refused(body, param):
@@ -55,3 +66,18 @@ def test_what_stays_refused(body, param):
     with pytest.raises(APIError) as err:
         _parse(schema, body)
     assert (err.value.status, err.value.param) == (400, param) and param in err.value.message
+
+
+def test_logprobs_wanted():
+    """How many alternatives per token a request asks for (None: no log-probabilities)."""
+    cases = [
+        (ChatRequest, {**CHAT, "logprobs": True, "top_logprobs": 20}, 20),
+        (ChatRequest, {**CHAT, "logprobs": True}, 0),
+        (ChatRequest, {**CHAT, "logprobs": False, "top_logprobs": 0}, None),
+        (ChatRequest, CHAT, None),
+        (CompletionRequest, {**COMPLETION, "logprobs": 0}, 0),
+        (CompletionRequest, {**COMPLETION, "logprobs": 5, "echo": True}, 5),
+        (CompletionRequest, COMPLETION, None),
+    ]
+    for schema, body, want in cases:
+        assert logprobs_wanted(_parse(schema, body)) == want, body

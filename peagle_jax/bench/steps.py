@@ -35,15 +35,16 @@ def _request(prompt, max_new):
     return SlotRequest(prompt, max_new, stop_token_ids=[])
 
 
-def measure(plain_gen, spec_gen, prompt, rows: int, steps: int, progress=None) -> dict:
+def measure(plain_gen, spec_gen, prompt, rows: int, steps: int, progress=None, logprobs: bool = False) -> dict:
     """Median seconds per step of the plain engine and of each K' of the speculative one, with ``rows``
-    busy slots, and the tokens a row gains per step at each K'."""
+    busy slots, and the tokens a row gains per step at each K'; ``logprobs``: engines that also return the
+    emitted tokens' log-probabilities (as the server's)."""
     from peagle_jax.serve.slots import SlotEngine
     from peagle_jax.spec.tree import chain
 
     K = spec_gen.K
     modes = {"plain": None, 0: chain(0), 1: chain(1), K: spec_gen.tree}
-    engines = {m: SlotEngine(plain_gen if m == "plain" else spec_gen, rows) for m in modes}
+    engines = {m: SlotEngine(plain_gen if m == "plain" else spec_gen, rows, logprobs=logprobs) for m in modes}
     for eng in engines.values():
         eng.overlap = False  # each step read by its own call: the loop times one step of each mode in turn
     max_new = spec_gen.max_seq_len - len(prompt) - 1
@@ -103,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and compute (default float32)"
     )
+    p.add_argument("--logprobs", action="store_true", help="steps that also return log-probabilities, as the server's")
     p.add_argument("--json", help="also write the results to this JSON file")
     return p
 
@@ -132,7 +134,7 @@ def main(argv=None) -> int:
     results = []
     with tqdm(total=len(rows) * args.steps, desc="steps", file=sys.stderr) as bar:
         for r in rows:
-            results.append(measure(plain, spec, prompt, r, args.steps, progress=bar.update))
+            results.append(measure(plain, spec, prompt, r, args.steps, progress=bar.update, logprobs=args.logprobs))
     K = spec.K
     tree = None if spec.tree.is_chain else spec.tree.spec()
     longest = f"tree {tree} (depth {K})" if tree else f"K = {K}"
