@@ -509,9 +509,9 @@ class SpeculativeGenerator(Generator):
                 q = jnp.full(B, max(w - tree.size - 1, 0), jnp.int32)
                 start = np.full(B, max(w - 2 * K - 1, 0), np.int32)
                 if not tree.depth:  # a plain step (its context queue flushes below)
-                    out, cache, aux = plain_step(
+                    out, cache, aux, *_ = plain_step(
                         self.params, cache, aux, root, q, jnp.asarray(count), live, seeds, sampling, cfg=self.cfg,
-                        window=w, greedy_only=greedy_only,
+                        window=w, greedy_only=greedy_only, logprobs=self.logprobs,
                     )  # fmt: skip
                 elif self.fused:
                     ctx = (tokens, aux, count, start)
@@ -520,7 +520,7 @@ class SpeculativeGenerator(Generator):
                     drafts = jnp.zeros((B, tree.depth, tree.width), jnp.int32)
                     out, cache = verify(
                         self.params, cache, root, drafts, q, seeds, sampling, cfg=self.cfg, tree=tree, window=w,
-                        greedy_only=greedy_only,
+                        greedy_only=greedy_only, logprobs=self.logprobs,
                     )  # fmt: skip
             for w in draft_windows if tree.depth and not self.fused else []:
                 start = np.full(B, max(w - 2 * K - 1, 0), np.int32)
