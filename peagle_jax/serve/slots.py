@@ -272,8 +272,9 @@ class SlotEngine:
             self.pending = np.zeros(B, np.int32)  # the token each row feeds next, at ``positions``
             self.positions = np.zeros(B, np.int32)
         self.slots = [None] * B
-        # (group, prefill outputs, members still to admit) of the request group being admitted: its members
-        # arrive one after another (the worker admits in order), so one entry is enough
+        # (group, prefill outputs, members still to admit, echoed prompt log-probabilities) of the request group
+        # being admitted: its members arrive one after another (the worker admits in order), so one entry is
+        # enough
         self._shared: list | None = None
         self._launched: Launched | None = None  # a plain step not read yet
         self._chosen: tuple[int, Tree] | None = None  # (rows, tree) chosen while it ran, for the next step
