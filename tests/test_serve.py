@@ -440,6 +440,9 @@ def _request_bodies():
         "stop": st.one_of(text.filter(bool), st.lists(text.filter(bool), max_size=4)),
         "stream": st.booleans(),
         "n": st.integers(1, 2),
+        "presence_penalty": st.floats(-2, 2),
+        "frequency_penalty": st.floats(-2, 2),
+        "logit_bias": st.dictionaries(st.integers(0, 127).map(str), st.floats(-100, 100), max_size=3),
     }
     invalid = {
         "model": st.one_of(st.just("other"), st.integers()),
@@ -453,7 +456,8 @@ def _request_bodies():
         "n": st.one_of(st.integers(max_value=0), st.integers(min_value=129), st.just("2")),
         "prompt": st.one_of(st.just([]), st.lists(st.integers(128, 10**6), min_size=1, max_size=3), st.just({})),
         "messages": st.one_of(st.just([]), st.just([{"role": "robot", "content": "x"}]), st.just([{"role": "user"}])),
-        "logit_bias": st.just({"5": 1.0}),
+        "logit_bias": st.one_of(st.just({"5": 101.0}), st.just({"x": 1.0}), st.just({"128": 1.0})),
+        "presence_penalty": st.one_of(st.floats(min_value=2.01), st.floats(max_value=-2.01)),
     }
     prompt = st.one_of(text.filter(bool), st.lists(st.integers(0, 127), min_size=1, max_size=8))
     message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]), "content": text})

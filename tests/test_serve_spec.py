@@ -70,6 +70,43 @@ def test_speculative_server_equals_plain_decoding(server, dirs):
     assert texts == _plain_reference(dirs[0], requests)
 
 
+def test_penalties_and_logit_bias_under_speculation(server, dirs):
+    """presence_penalty, frequency_penalty and logit_bias through the API, concurrent with free requests: the
+    speculative server's tokens equal plain decoding with the same penalties (an in-process plain slot engine,
+    which tests/test_penalties.py checks against a host reference); a banned token never appears."""
+    from peagle_jax.checkpoint import load_target_any
+    from peagle_jax.engine.generator import Generator
+    from peagle_jax.serve.slots import SlotEngine, SlotRequest
+
+    e = 4 + ord("e") - 32  # the character tokenizer's id of "e" (serve_fixtures.VOCAB)
+    requests = [
+        ([10, 20, 30, 40], 24, 0.0, 1, dict(frequency_penalty=1.5, logit_bias={e: -100.0})),
+        ([50, 51, 52], 20, 0.9, 2, dict(presence_penalty=1.0, logit_bias={e: 5.0, 60: -3.0})),
+        ([70, 71], 18, 0.0, 3, {}),
+        ([33, 34, 35, 36, 37], 22, 0.7, 4, dict(presence_penalty=-0.5, frequency_penalty=0.8)),
+    ]
+
+    def one(r):
+        ids, n, temperature, seed, pen = r
+        body = {"model": "tiny-spec", "prompt": ids, "max_tokens": n, "temperature": temperature, "seed": seed}
+        body |= {k: {str(t): b for t, b in v.items()} if k == "logit_bias" else v for k, v in pen.items()}
+        status, _, raw = http(server.base, "POST", "/v1/completions", json.dumps({**body, "return_token_ids": True}))
+        assert status == 200, raw
+        return json.loads(raw)["choices"][0]["token_ids"]
+
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(one, requests))
+    cfg, params = load_target_any(dirs[0])
+    engine = SlotEngine(Generator(cfg, params, max_seq_len=MAX_SEQ), 1, penalties=True)
+    for r, tokens in zip(requests, got, strict=True):
+        ids, n, temperature, seed, pen = r
+        events = [engine.admit(SlotRequest(ids, n, temperature, seed=seed, stop_token_ids=cfg.eos_token_ids, **pen))]
+        while engine.active:
+            events += engine.step()
+        assert tokens == [t for ev in events for t in ev.tokens]
+    assert e not in got[0] and got[1].count(e) > 2
+
+
 def test_logprobs_under_speculation(server, dirs):
     """The speculative server's log-probabilities are the plain target's (every emitted token)."""
     check_logprobs(server.base, "tiny-spec", dirs[0])

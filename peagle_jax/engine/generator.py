@@ -33,21 +33,32 @@ class RequestError(UserError):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "greedy_only", "window", "logprobs"), donate_argnames=("cache",))
 def decode_step(
-    params, cache, tokens_B, positions_B, seeds_B, sampling: SamplingParams, *, cfg, greedy_only, window, logprobs=False
+    params,
+    cache,
+    tokens_B,
+    positions_B,
+    seeds_B,
+    sampling: SamplingParams,
+    *,
+    cfg,
+    greedy_only,
+    window,
+    logprobs=False,
+    penalties=None,
 ):
     """Feed one token per row at its position, sample the next. Returns (next tokens [B], cache), and with
     ``logprobs`` (static) (next tokens [B], cache, :class:`~peagle_jax.logprobs.TokenLogprobs` [B, 1] of the
-    next tokens)."""
+    next tokens). ``penalties``: :class:`peagle_jax.penalties.Penalties` of the rows (None: none)."""
     out, cache = model.forward(params, cache, tokens_B[:, None], positions_B, cfg=cfg, window=window)
-    next_B = sample(out.logits[:, 0], sampling, seeds_B, positions_B + 1, greedy_only=greedy_only)
+    next_B = sample(out.logits[:, 0], sampling, seeds_B, positions_B + 1, greedy_only=greedy_only, penalties=penalties)
     if not logprobs:
         return next_B, cache
     return next_B, cache, token_logprobs(out.logits, next_B[:, None])
 
 
 @functools.partial(jax.jit, static_argnames=("greedy_only",))
-def sample_jit(logits_BV, sampling, seeds_B, positions_B, *, greedy_only):
-    return sample(logits_BV, sampling, seeds_B, positions_B, greedy_only=greedy_only)
+def sample_jit(logits_BV, sampling, seeds_B, positions_B, *, greedy_only, penalties=None):
+    return sample(logits_BV, sampling, seeds_B, positions_B, greedy_only=greedy_only, penalties=penalties)
 
 
 @dataclasses.dataclass

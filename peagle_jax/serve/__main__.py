@@ -264,8 +264,11 @@ def main(argv=None) -> int:
         from peagle_jax.serve.slots import SlotEngine
 
         # Log-probabilities are computed in every step graph (one static flag, so a request that asks for
-        # them compiles nothing): the log-softmax and top 20 of the emitted positions only.
-        engine = SlotEngine(gen, args.max_batch, load_k=args.load_k, adaptive=args.adaptive_k, logprobs=True)
+        # them compiles nothing): the log-softmax and top 20 of the emitted positions only. Likewise every
+        # step takes the slots' penalties and logit biases (skipped inside the graph while no row has any).
+        engine = SlotEngine(
+            gen, args.max_batch, load_k=args.load_k, adaptive=args.adaptive_k, logprobs=True, penalties=True
+        )
         engine.overlap = not args.sync_steps
         if args.warmup_only:
             return warmup_only(args, engine)

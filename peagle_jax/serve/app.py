@@ -173,6 +173,9 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
             group=next_request_id() if n > 1 else None,
             group_size=n,
             echo=echo_of(req) and protocol.logprobs_wanted(req) is not None,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            logit_bias=protocol.logit_bias(req) or None,
         )
         try:
             worker.engine.check(sreq)

@@ -3,7 +3,9 @@ an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``), never
 
 The schemas are strict about types: wrong JSON types are refused (no ``"1"`` for a number). The OpenAI
 parameters this server does not implement are refused by name (a 400, ``unsupported_parameter``) unless
-they have their neutral values (``n=1``, zero penalties, no logit bias, no tools, ...).
+they have their neutral values (no tools, ``response_format`` text, ...). ``presence_penalty``,
+``frequency_penalty`` (over the generated tokens, [-2, 2]) and ``logit_bias`` (token id -> [-100, 100]) are
+served (:mod:`peagle_jax.penalties`).
 Log-probabilities are served (chat ``logprobs`` + ``top_logprobs``, completions ``logprobs``, 0..20
 alternatives, and ``echo``). Top-level fields the OpenAI API does not define at all are ignored, and the request records
 their names (:attr:`_Common.ignored`) for one warning line in the log, as vLLM does: an SDK that adds a
@@ -16,6 +18,8 @@ from typing import Literal
 
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+
+from peagle_jax.penalties import MAX_BIAS, MAX_PENALTY
 
 MAX_STOP = 4  # stop strings per request, as the OpenAI API
 MAX_CHOICES = 128  # choices per request: n, times the prompts of a completions request
@@ -212,9 +216,11 @@ def _refuse(cond: bool, param: str, what: str = "is not supported by this server
 def _check_common(req: _Common) -> None:
     if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
         raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {req.n}", param="n")
-    _refuse(req.presence_penalty not in (None, 0), "presence_penalty")
-    _refuse(req.frequency_penalty not in (None, 0), "frequency_penalty")
-    _refuse(bool(req.logit_bias), "logit_bias")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value is not None and not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise APIError(400, f"{name} must be in [-2, 2], got {value}", param=name)
+    logit_bias(req)
     if req.max_tokens is not None and req.max_tokens < 1:
         raise APIError(400, f"max_tokens must be >= 1, got {req.max_tokens}", param="max_tokens")
     if req.temperature is not None and not 0 <= req.temperature <= 2:
@@ -234,6 +240,20 @@ def _check_common(req: _Common) -> None:
         raise APIError(400, f"at most {MAX_STOP} stop strings, got {len(stops)}", param="stop")
     if any(s == "" for s in stops):
         raise APIError(400, "stop strings must not be empty", param="stop")
+
+
+def logit_bias(req: _Common) -> dict[int, float]:
+    """The request's logit bias as token id -> bias (keys are token ids written as JSON strings); a 400 names
+    a key that is not an id or a value outside [-100, 100]. The server checks the ids against the vocabulary."""
+    out = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not key.strip().isdigit():
+            raise APIError(400, f"logit_bias: {key!r} is not a token id", param="logit_bias")
+        if not -MAX_BIAS <= value <= MAX_BIAS:
+            message = f"logit_bias: the bias of token {key} must be in [-100, 100], got {value}"
+            raise APIError(400, message, param="logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
 def prompt_list(req: CompletionRequest) -> list[str | list[int]]:

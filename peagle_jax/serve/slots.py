@@ -56,6 +56,7 @@ from peagle_jax.engine.generator import Generator, RequestError, StepStats, deco
 from peagle_jax.engine.overlap import Launched, launch_then_read
 from peagle_jax.logprobs import first_logprobs, host_logprobs, row_logprobs
 from peagle_jax.models import model
+from peagle_jax.penalties import Penalties, check_penalties, count_tokens, start_row
 from peagle_jax.platform import MapBudget
 from peagle_jax.sampling import SamplingParams, check_sampling_args, greedy_graph, greedy_modes
 from peagle_jax.spec.adaptive import CALIBRATION_STEPS, AdaptiveK, adaptive_policy
@@ -89,6 +90,16 @@ class SlotRequest:
     group_size: int = 1
     id: int = dataclasses.field(default_factory=next_request_id)
     echo: bool = False  # the admission's event also carries the prompt's log-probabilities (needs logprobs)
+    # :mod:`peagle_jax.penalties` (need the engine's ``penalties``): over the tokens generated so far, and a
+    # bias added to the logits of token ids
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the request changes the logits (penalties or a logit bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
 @dataclasses.dataclass
@@ -176,17 +187,22 @@ class SlotEngine:
         load_k: Sequence[tuple[int, int]] = (),
         adaptive: bool = False,
         logprobs: bool = False,
+        penalties: bool = False,
     ):
         """``load_k``: (n, K') pairs, with at least n active slots a step drafts and verifies a chain of K'
         (0: a plain step). ``adaptive``: each step picks plain, a chain of 1 or the generator's own tree by
         measured throughput (:class:`peagle_jax.spec.adaptive.AdaptiveK`); excludes ``load_k``. ``logprobs``:
         every step (and admission) also returns the emitted tokens' raw log-probabilities and the top
         :data:`~peagle_jax.logprobs.TOP_LOGPROBS` (one flag for all graphs, so that requests that ask for
-        them compile nothing; sets the generator's :attr:`~peagle_jax.engine.generator.Generator.logprobs`)."""
+        them compile nothing; sets the generator's :attr:`~peagle_jax.engine.generator.Generator.logprobs`).
+        ``penalties``: every step takes the slots' presence/frequency penalties and logit biases
+        (:mod:`peagle_jax.penalties`; again one flag for all graphs, so requests that use them compile nothing);
+        without it such requests are refused."""
         if max_batch < 1:
             raise RequestError(f"max_batch must be >= 1, got {max_batch}")
         self.gen, self.B = gen, max_batch
         self.logprobs = gen.logprobs = logprobs
+        self.penalties = penalties
         self._load_k, self._adaptive = tuple(load_k), adaptive
         self.speculative = isinstance(gen, SpeculativeGenerator)
         # The step keys whose graphs still compile in the background (see the module docstring): a drafting
@@ -228,6 +244,9 @@ class SlotEngine:
         self.top_k = np.zeros(B, np.int32)
         self.top_p = np.ones(B, np.float32)
         self.seeds = np.zeros(B, np.uint32)
+        self.presence = np.zeros(B, np.float32)
+        self.frequency = np.zeros(B, np.float32)
+        self.penalized = np.zeros(B, bool)  # the slot's request has penalties or a logit bias
         # A step runs only the first `rows` slots, the smallest bucket covering every busy one (admission
         # takes the lowest free slot), so a lightly loaded server does not pay for all B rows.
         self.row_buckets = tuple(sorted({min(1 << i, B) for i in range(B.bit_length() + 1)}))
@@ -272,6 +291,9 @@ class SlotEngine:
             self.pending = np.zeros(B, np.int32)  # the token each row feeds next, at ``positions``
             self.positions = np.zeros(B, np.int32)
         self.slots = [None] * B
+        if self.penalties:  # each slot's generated-token counts and logit bias (rows start over at admission)
+            V = gen.cfg.vocab_size
+            self.counts, self.bias = jnp.zeros((B, V), jnp.int32), jnp.zeros((B, V), jnp.float32)
         # (group, prefill outputs, members still to admit, echoed prompt log-probabilities) of the request group
         # being admitted: its members arrive one after another (the worker admits in order), so one entry is
         # enough
@@ -297,6 +319,13 @@ class SlotEngine:
             check_sampling_args(req.temperature, req.top_k, req.top_p)
         except ValueError as err:
             raise RequestError(str(err)) from None
+        if req.penalized:
+            if not self.penalties:
+                raise RequestError("this engine takes no presence/frequency penalties or logit_bias")
+            try:
+                check_penalties(req.presence_penalty, req.frequency_penalty, req.logit_bias, self.gen.cfg.vocab_size)
+            except ValueError as err:
+                raise RequestError(str(err)) from None
 
     def _sampling(self, rows: int):
         """Device copies of the first ``rows`` slots' sampling parameters and seeds (kept until they change)."""
@@ -304,8 +333,24 @@ class SlotEngine:
             self._device_params[rows] = (
                 SamplingParams(*(host_copy(x[:rows]) for x in (self.temperature, self.top_k, self.top_p))),
                 host_copy(self.seeds[:rows]),
+                tuple(host_copy(x[:rows]) for x in (self.presence, self.frequency, self.penalized)),
             )
-        return self._device_params[rows]
+        return self._device_params[rows][:2]
+
+    def _penalties(self, rows: int) -> Penalties | None:
+        """The first ``rows`` slots' :class:`~peagle_jax.penalties.Penalties` (None without :attr:`penalties`)."""
+        if not self.penalties:
+            return None
+        self._sampling(rows)
+        return Penalties(*self._device_params[rows][2], self.bias, self.counts)
+
+    def _count(self, tokens_R, n_R, live_R) -> None:
+        """Add a step's tokens (``tokens_R`` [R] or [R, P], host or device; the first ``n_R`` of each row) to
+        the slot counts, while a busy slot among the first R has penalties: the others' counts are never read
+        (a row starts over at admission)."""
+        if self.penalties and self.penalized[: len(live_R)][live_R].any():
+            tokens_RP = jnp.asarray(tokens_R if tokens_R.ndim == 2 else tokens_R[:, None])  # one jit key: device
+            self.counts = count_tokens(self.counts, tokens_RP, np.asarray(n_R, np.int32))
 
     def rows_for(self, live) -> int:
         """The row bucket a step needs: the smallest covering the highest busy slot."""
@@ -333,6 +378,8 @@ class SlotEngine:
         """Free slot b; its row idles at a small position from now on."""
         self.slots[b] = None
         self.temperature[b] = 0.0
+        self.presence[b] = self.frequency[b] = 0.0
+        self.penalized[b] = False
         self._device_params = {}
         if self.speculative:
             s = self.state
@@ -383,7 +430,20 @@ class SlotEngine:
             logits, cache1, dcache1, aux1 = prefilled
         else:
             logits, cache1 = prefilled
-        first = int(sample_jit(logits, sampling, seed, jnp.asarray([len(prompt)], jnp.int32), greedy_only=greedy)[0])
+        position = jnp.asarray([len(prompt)], jnp.int32)
+        if self.penalties:  # no generated tokens yet: the bias alone
+            bias_V = np.zeros(gen.cfg.vocab_size, np.float32)
+            for tok, value in (req.logit_bias or {}).items():
+                bias_V[int(tok)] = value
+            pen1 = Penalties(
+                *(np.asarray([x], dt) for x, dt in ((req.presence_penalty, np.float32),
+                  (req.frequency_penalty, np.float32), (req.penalized, bool))),
+                bias_V[None], np.zeros((1, gen.cfg.vocab_size), np.int32),
+            )  # fmt: skip
+            first = int(sample_jit(logits, sampling, seed, position, greedy_only=greedy, penalties=pen1)[0])
+            self.counts, self.bias = start_row(self.counts, self.bias, jnp.int32(b), jnp.int32(first), bias_V)
+        else:
+            first = int(sample_jit(logits, sampling, seed, position, greedy_only=greedy)[0])
         lps = None
         if self.logprobs:
             lps = row_logprobs(host_logprobs(first_logprobs(logits[:, None], jnp.asarray([[first]])), 1), 0, 1)
@@ -394,6 +454,8 @@ class SlotEngine:
             self.pending[b], self.positions[b] = first, len(prompt)
         self.temperature[b], self.top_k[b], self.top_p[b] = req.temperature, req.top_k, req.top_p
         self.seeds[b] = np.uint32(req.seed & 0xFFFFFFFF)
+        self.presence[b], self.frequency[b] = req.presence_penalty, req.frequency_penalty
+        self.penalized[b] = req.penalized
         self._device_params = {}
         self._t_admit = time.perf_counter()
         stops = gen.cfg.eos_token_ids if req.stop_token_ids is None else req.stop_token_ids
@@ -569,8 +631,9 @@ class SlotEngine:
         ids = [self.slots[b].request.id if live_R[b] else None for b in range(R)]
         if self.speculative:
             launched, self.cache, self.dcache = gen.launch_plain(
-                self.cache, self.dcache, self.state, seeds, sampling, greedy_only, live_R, root, self._lazy(R)
-            )
+                self.cache, self.dcache, self.state, seeds, sampling, greedy_only, live_R, root, self._lazy(R),
+                penalties=self._penalties(R),
+            )  # fmt: skip
             launched.ids = ids
         else:
             t0 = time.perf_counter()
@@ -586,9 +649,11 @@ class SlotEngine:
                 greedy_only=greedy_only,
                 window=gen.window(int(positions[live_R].max()) + 1),
                 logprobs=self.logprobs,
+                penalties=self._penalties(R),
             )
             positions += live_R.astype(np.int32)  # in place: the first R of self.positions
             launched = Launched(next_R, np.array(live_R, bool), t0, ids=ids, logprobs=lp[0] if lp else None)
+        self._count(launched.tokens, np.ones(R, np.int32), live_R)
         self.steps_by_k[0] = self.steps_by_k.get(0, 0) + 1
         return launched
 
@@ -624,8 +689,10 @@ class SlotEngine:
         sampling, seeds = self._sampling(R)
         greedy_only = greedy_graph(self.temperature[live])
         tokens, count, k, self.cache, self.dcache = self.gen.run_step(
-            self.cache, self.dcache, self.state, seeds, sampling, greedy_only=greedy_only, live=live[:R], tree=tree
-        )
+            self.cache, self.dcache, self.state, seeds, sampling, greedy_only=greedy_only, live=live[:R], tree=tree,
+            penalties=self._penalties(R),
+        )  # fmt: skip
+        self._count(tokens, count, live[:R])
         # The policy learns the acceptance of synced rows only: the others drafted from a stale context.
         self._record(R, k, time.perf_counter(), count[live[:R] & self.state.synced[:R]], learn=record)
         self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
@@ -689,6 +756,8 @@ class SlotEngine:
 
         for rows in self.row_buckets:  # the root merge of an overlapped plain step (admissions since its launch)
             merge_roots(*(jnp.zeros(rows, dt) for dt in (bool, np.int32, np.int32)))
+            for P in sorted({1, gen.K + 1} if self.speculative else {1}) if self.penalties else ():
+                self.counts = count_tokens(self.counts, jnp.zeros((rows, P), jnp.int32), np.zeros(rows, np.int32))
         for task in tasks:
             if isinstance(task, Admit):
                 ev = self.admit(SlotRequest([0] * task.length, 1, temperature=task.temperature, stop_token_ids=[]))
@@ -717,7 +786,9 @@ class SlotEngine:
         gen.stats = StepStats()
         if self.speculative:
             gen.spec = SpecStats(accepted_per_position=[0] * gen.K)
-        twin = SlotEngine(gen, self.B, load_k=self._load_k, adaptive=self._adaptive, logprobs=self.logprobs)
+        twin = SlotEngine(
+            gen, self.B, load_k=self._load_k, adaptive=self._adaptive, logprobs=self.logprobs, penalties=self.penalties
+        )
         twin.overlap, twin.compiling = self.overlap, self.compiling
         return twin
 

@@ -51,9 +51,11 @@ def fused_step(
     window,
     greedy_only,
     logprobs=False,
+    penalties=None,
 ):
     """Draft and verify in one graph (one device launch per step): the two jitted functions inline.
-    ``logprobs`` (static): the verify's output carries the emitted tokens' log-probabilities."""
+    ``logprobs`` (static): the verify's output carries the emitted tokens' log-probabilities; ``penalties``:
+    the verify's."""
     kw = dict(cfg=dcfg, K=tree.depth, top_n=tree.width, window=draft_window)
     if sequential:
         draft, dcache = sequential_draft(dparams, dcache, ctx_tokens, ctx_aux, ctx_count, ctx_start, embed, **kw)
@@ -72,6 +74,7 @@ def fused_step(
         window=window,
         greedy_only=greedy_only,
         logprobs=logprobs,
+        penalties=penalties,
     )
     return out, cache, dcache
 
@@ -94,16 +97,31 @@ write_context = jax.jit(_write_context, donate_argnums=0)
     jax.jit, static_argnames=("cfg", "window", "greedy_only", "logprobs"), donate_argnames=("cache", "ctx_aux")
 )
 def plain_step(
-    params, cache, ctx_aux, root_R, q_R, at_R, live_R, seeds_R, sampling, *, cfg, window, greedy_only, logprobs=False
+    params,
+    cache,
+    ctx_aux,
+    root_R,
+    q_R,
+    at_R,
+    live_R,
+    seeds_R,
+    sampling,
+    *,
+    cfg,
+    window,
+    greedy_only,
+    logprobs=False,
+    penalties=None,
 ):
     """A plain step inside speculative decoding, in one graph: the target decodes each row's root (the verify
     of ``chain(0)``) and the root's aux state joins the row's pending draft context at slot ``at`` (live rows
     of the first R; ``ctx_aux`` holds B >= R rows). Returns (next token [R], cache, ctx_aux), and with
-    ``logprobs`` (static) the next tokens' :class:`~peagle_jax.logprobs.TokenLogprobs` [R, 1] last."""
+    ``logprobs`` (static) the next tokens' :class:`~peagle_jax.logprobs.TokenLogprobs` [R, 1] last.
+    ``penalties``: :class:`peagle_jax.penalties.Penalties` of the rows (None: none)."""
     none_R01 = jnp.zeros((root_R.shape[0], 0, 1), jnp.int32)
     out, cache = verify(
         params, cache, root_R, none_R01, q_R, seeds_R, sampling, cfg=cfg, tree=chain(0), window=window,
-        greedy_only=greedy_only, logprobs=logprobs,
+        greedy_only=greedy_only, logprobs=logprobs, penalties=penalties,
     )  # fmt: skip
     ctx_aux = _write_context(ctx_aux, out.aux, at_R, live_R)
     if not logprobs:

@@ -2,14 +2,16 @@
 acceptance, KV compaction.
 
 Acceptance, one rule for greedy and sampling, chains and trees. At every node n (the root is the last
-committed token) the target picks y(n): its argmax for a greedy row, or a Gumbel-max draw from the
-processed distribution (temperature -> top-k -> top-p, :func:`peagle_jax.sampling.processed_logits`) with
-the uniforms of the position being generated. A child is accepted when its token equals y(parent) and its
-parent was accepted; the deepest accepted node wins and y there is the bonus token. Along the realised
-path each emitted token is y of its parent, drawn from the target's distribution at that prefix with the
-same uniforms plain sampling would use, so the output equals plain decoding token for token (greedy or
-seeded sampling), hence is lossless. For a chain with a greedy drafter this is the standard rule: a draft
-token d is accepted with probability p(d), and on rejection the emitted token follows p without d.
+committed token) the target picks y(n): its argmax for a greedy row, or a Gumbel-max draw from the processed
+distribution (temperature -> top-k -> top-p, :func:`peagle_jax.sampling.processed_logits`) with the uniforms
+of the position being generated; presence/frequency penalties and a logit bias adjust the logits first, each
+node's by the tokens of its own path (:func:`peagle_jax.penalties.tree_logits`). A child is accepted when its
+token equals y(parent) and its parent was accepted; the deepest accepted node wins and y there is the bonus
+token. Along the realised path each emitted token is y of its parent, drawn from the target's distribution at
+that prefix with the same uniforms plain sampling would use, so the output equals plain decoding token for
+token (greedy or seeded sampling), hence is lossless. For a chain with a greedy drafter this is the standard
+rule: a draft token d is accepted with probability p(d), and on rejection the emitted token follows p without
+d.
 
 Compaction: the accepted path's keys and values are moved to the slots right after the root, so that the
 cache again holds the committed sequence contiguously at its positions.
@@ -27,6 +29,7 @@ from peagle_jax.logprobs import TokenLogprobs, token_logprobs
 from peagle_jax.models import model
 from peagle_jax.models.config import ModelConfig
 from peagle_jax.ops import argmax_first
+from peagle_jax.penalties import Penalties, tree_logits
 from peagle_jax.sampling import SamplingParams, greedy_or_sampled, processed_logits, uniforms
 from peagle_jax.spec.tree import Tree, chain, parse_tree  # noqa: F401  (re-exported: the trees a verify takes)
 
@@ -91,6 +94,7 @@ def verify(
     window: int,
     greedy_only: bool,
     logprobs: bool = False,
+    penalties: Penalties | None = None,
 ):
     """Verify one static tree of drafts per row against the target, in one forward pass.
 
@@ -101,6 +105,7 @@ def verify(
     path. Returns ``(VerifyOut, cache)``; the row's next root is ``tokens[count-1]`` at ``q + count``. With
     ``logprobs`` (static), ``VerifyOut.logprobs`` holds the emitted tokens' log-probabilities: emitted token k
     is drawn from the logits at the path's node of depth k, the same prefix plain decoding sees.
+    ``penalties`` (:mod:`peagle_jax.penalties`) adjust each node's logits by the counts of its own path.
     """
     K, T = tree.depth, tree.size + 1
     depths = jnp.asarray((0, *tree.depths), jnp.int32)
@@ -114,7 +119,8 @@ def verify(
     out, cache = model.forward(
         params, cache, tokens_BT, q_B, cfg=cfg, mask_BTT=mask_BTT, positions_BT=positions_BT, window=window
     )
-    y_BT = _node_choices(out.logits, sampling, seeds_B, positions_BT + 1, greedy_only)
+    logits_BTV = tree_logits(out.logits, tokens_BT, tree, penalties)
+    y_BT = _node_choices(logits_BTV, sampling, seeds_B, positions_BT + 1, greedy_only)
     # Accepted: token equals y(parent) and the parent is accepted; parents precede children.
     parents = (0, *tree.parents)
     accepted = [jnp.ones_like(q_B, dtype=bool)]
