@@ -20,6 +20,10 @@ slots and window buckets from a generator built with these buckets. For each bat
   (``plain_step`` per window) and ``flush_context`` per window (the Q queued context elements, see
   :func:`peagle_jax.spec.state.queue_slots`, into the drafter cache);
 - once: ``fused_mask_hidden`` (run at load).
+
+Every graph that picks a token is the server's variant (:class:`peagle_jax.serve.slots.SlotEngine` built by
+``python -m peagle_jax.serve``): it returns the emitted tokens' log-probabilities and takes the slots'
+penalties and logit biases; ``start_row`` and ``count_tokens`` keep the slots' generated-token counts.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from peagle_jax.engine.generator import Generator, decode_step, sample_jit
 from peagle_jax.models import model
 from peagle_jax.models.config import ModelConfig
 from peagle_jax.neuron.buckets import ServingBuckets
+from peagle_jax.penalties import Penalties, count_tokens, start_row
 from peagle_jax.sampling import SamplingParams
 from peagle_jax.sharding import AXIS, CACHE_SPEC, check_target_tp, param_shardings, target_dispatch
 from peagle_jax.spec.graphs import flush_context, fused_step, plain_step, write_context
@@ -72,6 +77,30 @@ def abstract_drafter_params(dcfg: DrafterConfig):
 
 def _sampling(B):
     return SamplingParams(sds((B,), jnp.float32), sds((B,), jnp.int32), sds((B,), jnp.float32))
+
+
+def _penalties(B, V):
+    """The server's per-row penalties and logit bias (its engine passes them to every graph that samples)."""
+    f32 = sds((B,), jnp.float32)
+    return Penalties(f32, f32, sds((B,), jnp.bool_), sds((B, V), jnp.float32), sds((B, V), jnp.int32))
+
+
+def _served(B, V) -> dict:
+    """The keywords the server's engine passes every graph that samples: log-probabilities on
+    (:mod:`peagle_jax.logprobs`) and the slots' penalties (:mod:`peagle_jax.penalties`)."""
+    return dict(logprobs=True, penalties=_penalties(B, V))
+
+
+def _counting_graphs(B: int, V: int, widths) -> list[Graph]:
+    """The server's per-slot token counts: a request's start (one row) and each step's tokens (``widths``:
+    the tokens per row a step emits, 1 for a plain step, K + 1 for a draft of depth K)."""
+    counts, bias = sds((B, V), jnp.int32), sds((B, V), jnp.float32)
+    i32 = sds((), jnp.int32)
+    out = [Graph(f"start_row_b{B}", start_row, (counts, bias, i32, i32, sds((V,), jnp.float32)), {})]
+    for P in sorted(set(widths)):
+        args = (counts, sds((B, P), jnp.int32), sds((B,), jnp.int32))
+        out.append(Graph(f"count_tokens_b{B}_p{P}", count_tokens, args, {}))
+    return out
 
 
 def _placed(tree, shardings):
@@ -130,12 +159,14 @@ def plain_graphs(cfg, params, buckets: ServingBuckets, mesh=None) -> list[Graph]
         for g in modes:
             mode = "greedy" if g else "sampling"
             args = (sds((B, V), jnp.float32), _sampling(B), sds((B,), jnp.uint32), ints)
-            out.append(Graph(f"sample_b{B}_{mode}", sample_jit, args, dict(greedy_only=g)))
+            static = dict(greedy_only=g, penalties=_penalties(B, V))
+            out.append(Graph(f"sample_b{B}_{mode}", sample_jit, args, static))
         for key in step_keys([B], [chain(0)], windows_up_to(gen.window_buckets, buckets.max_seq_len), modes):
             mode, W = "greedy" if key.greedy_only else "sampling", key.window
             args = (params, cache, ints, ints, sds((B,), jnp.uint32), _sampling(B))
-            static = dict(cfg=cfg, greedy_only=key.greedy_only, window=W)
+            static = dict(cfg=cfg, greedy_only=key.greedy_only, window=W, **_served(B, V))
             out.append(Graph(f"decode_b{B}_s{S}_w{W}_{mode}", decode_step, args, static))
+        out += _counting_graphs(B, V, [1])
     return out
 
 
@@ -184,7 +215,7 @@ def speculative_graphs(cfg, params, dcfg, dparams, buckets: ServingBuckets, tree
             args = (ctx[1], sds((B, step.depth + 1, X), dt), ints, sds((B,), jnp.bool_))
             out.append(Graph(f"write_context_b{B}_c{Q}_n{step.depth + 1}", write_context, args, {}))
             for Wd in draft_windows:
-                static = dict(cfg=dcfg, K=step.depth, top_n=step.width, window=Wd)
+                static = dict(cfg=dcfg, K=step.depth, top_n=step.width, window=Wd)  # drafts sample nothing
                 if "parallel" in kinds:
                     args = (dparams, dcache, *ctx, mask_g, embed)
                     name = f"parallel_draft_b{B}_s{S}_{tn}_n{step.width}_w{Wd}"
@@ -193,6 +224,7 @@ def speculative_graphs(cfg, params, dcfg, dparams, buckets: ServingBuckets, tree
                     args = (dparams, dcache, *ctx, embed)
                     name = f"sequential_draft_b{B}_s{S}_{tn}_n{step.width}_w{Wd}"
                     out.append(Graph(name, sequential_draft, args, static))
+        out += _counting_graphs(B, cfg.vocab_size, [1, K + 1])
     return out
 
 
@@ -202,6 +234,7 @@ def _step_graphs(cfg, params, dcfg, dparams, buckets, gen, step: Tree, B, caches
     abstract target cache, drafter cache and draft context of batch bucket B."""
     cache, dcache, ctx = caches
     S, tn, ints = gen.num_slots, tree_name(step), sds((B,), jnp.int32)
+    served = _served(B, cfg.vocab_size)
     C, Q = ctx[0].shape[1], ctx[1].shape[1]  # the draft's context slots, the queue's
     embed = None if dcfg.own_embedding else params["embed_tokens"]
     mask_g = sds((dcfg.hidden_size,), dcfg.layer.jnp_dtype) if dcfg.parallel else None
@@ -215,10 +248,10 @@ def _step_graphs(cfg, params, dcfg, dparams, buckets, gen, step: Tree, B, caches
         mode = "greedy" if g else "sampling"
         if not step.depth:  # the target decodes the root; its aux state joins the draft context
             args = (params, cache, ctx[1], ints, ints, ints, sds((B,), jnp.bool_), *verify_args[-2:])
-            static = dict(cfg=cfg, window=W, greedy_only=g)
+            static = dict(cfg=cfg, window=W, greedy_only=g, **served)
             out.append(Graph(f"plain_b{B}_s{S}_c{Q}_w{W}_{mode}", plain_step, args, static))
             continue
-        static = dict(cfg=cfg, tree=step, window=W, greedy_only=g)
+        static = dict(cfg=cfg, tree=step, window=W, greedy_only=g, **served)
         out.append(Graph(f"verify_b{B}_s{S}_{tn}_w{W}_{mode}", verify, verify_args, static))
     if not buckets.fused or not step.depth:  # a plain step is never fused
         return out
@@ -231,6 +264,7 @@ def _step_graphs(cfg, params, dcfg, dparams, buckets, gen, step: Tree, B, caches
             args = (params, cache, dparams, dcache, *ctx, None if seq else mask_g, embed, ints, ints)
             args += (sds((B,), jnp.uint32), _sampling(B))
             static = dict(cfg=cfg, dcfg=dcfg, tree=step, sequential=seq, draft_window=W, window=W, greedy_only=g)
+            static |= served
             out.append(Graph(f"fused_{kind}_b{B}_s{S}_c{C}_{tn}_w{W}_{mode}", fused_step, args, static))
     return out
 
