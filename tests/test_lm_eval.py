@@ -32,7 +32,7 @@ MC_DOCS = [
     {"question": "The longest is", "choices": ["x", "yy", "zzz"], "answer": 2},
 ]
 GEN_PROMPTS = ["Once upon a time", "The answer is", "Hello, world", "def f(x):", "1, 2, 3,"]
-UNTIL = ["\n", "."]
+UNTIL = ["\n", ".", "!", "?"]  # with the EOS string the harness adds, five stop strings (as humaneval)
 TASKS = ["peagle_mc", "peagle_gen"]
 
 
