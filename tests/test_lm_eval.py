@@ -30,6 +30,7 @@ MC_DOCS = [
     {"question": "Cats say", "choices": ["woof", "moo", "meow", "quack"], "answer": 2},
     {"question": "Q: capital of France?\nA:", "choices": ["Paris", "Rome", "Berlin"], "answer": 0},
     {"question": "The longest is", "choices": ["x", "yy", "zzz"], "answer": 2},
+    {"question": "", "choices": ["A", "Z"], "answer": 0},  # no context: the harness puts the EOS token first
 ]
 GEN_PROMPTS = ["Once upon a time", "The answer is", "Hello, world", "def f(x):", "1, 2, 3,"]
 UNTIL = ["\n", ".", "!", "?"]  # with the EOS string the harness adds, five stop strings (as humaneval)
@@ -199,8 +200,8 @@ def in_process(reference, tasks):
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
 def test_local_completions_scores_equal_in_process(speculative, model_dir, tasks, in_process, tmp_path):
-    """The plain server gets token-id prompts (the harness's default), the speculative one strings
-    (``tokenized_requests=False``); both get four prompts per request."""
+    """The plain server gets token-id prompts (the harness's default) one request at a time, the speculative
+    one strings (``tokenized_requests=False``) two requests at a time; both get four prompts per request."""
     tasks_dir, mc_docs, exact_match = tasks
     args = ["--model", str(model_dir), "--max-batch", "4", "--max-seq-len", str(MAX_SEQ)]
     if speculative:
@@ -214,6 +215,7 @@ def test_local_completions_scores_equal_in_process(speculative, model_dir, tasks
             "tokenizer_backend": "huggingface",
             "tokenized_requests": not speculative,
             "batch_size": 4,
+            "num_concurrent": 2 if speculative else 1,
             "max_gen_toks": MAX_GEN,
             "max_retries": 1,
         }
