@@ -120,6 +120,10 @@ def reference(model_dir):
     return InProcessLM(model_dir)
 
 
+def _metric(name: str) -> dict:
+    return {"metric": name, "aggregation": "mean", "higher_is_better": True}
+
+
 @pytest.fixture(scope="module")
 def tasks(tmp_path_factory, reference):
     """The two tasks: YAML files and their JSON-lines data in one directory, and the generate-until task's
@@ -147,7 +151,7 @@ def tasks(tmp_path_factory, reference):
                 doc_to_choice="{{choices}}",
                 doc_to_target="{{answer}}",
                 target_delimiter="",  # the greedy choice continues its prompt directly
-                metric_list=[{"metric": "acc"}, {"metric": "acc_norm"}],
+                metric_list=[_metric("acc"), _metric("acc_norm")],
             ),
         ),
         (
@@ -158,7 +162,7 @@ def tasks(tmp_path_factory, reference):
                 doc_to_text="{{prompt}}",
                 doc_to_target="{{target}}",
                 generation_kwargs={"until": UNTIL, "max_gen_toks": MAX_GEN, "do_sample": False, "temperature": 0.0},
-                metric_list=[{"metric": "exact_match"}],
+                metric_list=[_metric("exact_match")],
             ),
         ),
     ):
