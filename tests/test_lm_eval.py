@@ -1,10 +1,10 @@
 """lm-evaluation-harness (``lm-eval``) against the server: its ``local-completions`` model scores a small local
-multiple-choice task (log-likelihoods: completions with ``echo``, ``logprobs`` and token-id prompts, batched)
-and a small local generate-until task (greedy completions with ``stop``) through ``python -m peagle_jax.serve``,
-plain and speculative, and every per-sample result and aggregate score equals the same harness's with the same
-model in this process (:class:`InProcessLM`: a log-softmax of the target's logits, the plain greedy
-:class:`~peagle_jax.engine.generator.Generator`). Hermetic: the tasks are YAML files over JSON-lines data
-written here, the tokenizer is the model directory's."""
+multiple-choice task (log-likelihoods: completions with ``echo``, ``logprobs: 1`` and ``max_tokens: 1``, four
+prompts per request) and a small local generate-until task (greedy completions with five ``stop`` strings)
+through ``python -m peagle_jax.serve``, plain and speculative, and every per-sample result and aggregate score
+equals the same harness's with the same model in this process (:class:`InProcessLM`: a log-softmax of the
+target's logits, the plain greedy :class:`~peagle_jax.engine.generator.Generator`). Hermetic: the tasks are YAML
+files over JSON-lines data written here, the tokenizer is the model directory's."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import yaml
 from serve_fixtures import ServerProcess, http, parse_metrics, write_tiny_drafter, write_tiny_model
 
-lm_eval = pytest.importorskip("lm_eval")
+lm_eval = pytest.importorskip("lm_eval", reason='the test extra brings it: pip install -e ".[test]"')
 from lm_eval.api.model import TemplateLM  # noqa: E402
 
 MAX_SEQ = 256  # the longest prompt plus MAX_GEN fits, and so does one whole padded log-likelihood row (PAD)
@@ -209,7 +209,8 @@ def test_local_completions_scores_equal_in_process(speculative, model_dir, tasks
     tasks_dir, mc_docs, exact_match = tasks
     args = ["--model", str(model_dir), "--max-batch", "4", "--max-seq-len", str(MAX_SEQ)]
     if speculative:
-        args += ["--drafter", str(write_tiny_drafter(tmp_path / "drafter"))]
+        # Every step drafts (K = 3), its graphs compiled before the server answers.
+        args += ["--drafter", str(write_tiny_drafter(tmp_path / "drafter")), "--load-k", "none", "--compile", "first"]
     server = ServerProcess(*args, log=tmp_path / "server.log").wait()
     try:
         model_args = {
@@ -228,6 +229,9 @@ def test_local_completions_scores_equal_in_process(speculative, model_dir, tasks
     finally:
         assert server.stop() == 0
     assert "Traceback" not in server.log.read_text()
+    if speculative:  # the generations' steps drafted and verified three tokens each
+        assert metrics['peagle_speculative_steps_total{k="3"}'] > 0
+        assert 'peagle_speculative_steps_total{k="0"}' not in metrics
 
     # Batched: one request per four log-likelihoods (one per choice), and per four generations.
     loglikelihoods = sum(len(s["arguments"]) for s in _samples(in_process, "peagle_mc"))
