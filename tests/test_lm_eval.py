@@ -227,8 +227,8 @@ def test_local_completions_scores_equal_in_process(speculative, model_dir, tasks
         served = _evaluate("local-completions", tasks_dir, model_args=model_args)
         metrics = parse_metrics(http(server.base, "GET", "/metrics")[2].decode())
     finally:
-        assert server.stop() == 0
-    assert "Traceback" not in server.log.read_text()
+        exit_code = server.stop()
+    assert exit_code == 0 and "Traceback" not in server.log.read_text()
     if speculative:  # the generations' steps drafted and verified three tokens each
         assert metrics['peagle_speculative_steps_total{k="3"}'] > 0
         assert 'peagle_speculative_steps_total{k="0"}' not in metrics
