@@ -19,7 +19,7 @@ from serve_fixtures import ServerProcess, http, parse_metrics, write_tiny_drafte
 lm_eval = pytest.importorskip("lm_eval", reason='the test extra brings it: pip install -e ".[test]"')
 from lm_eval.api.model import TemplateLM  # noqa: E402
 
-MAX_SEQ = 256  # the longest prompt plus MAX_GEN fits, and so does one whole padded log-likelihood row (PAD)
+MAX_SEQ = 128  # the longest prompt plus MAX_GEN fits, and so does one whole padded log-likelihood row (PAD)
 MAX_GEN = 12
 PAD = 64  # the in-process log-likelihood forward's one shape: every context + continuation fits
 
