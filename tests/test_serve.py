@@ -13,6 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from serve_fixtures import ServerProcess, check_logprobs, http, parse_metrics, write_tiny_model
 
+from peagle_jax.serve.protocol import MAX_STOP
+
 # Long enough that a request of MAX_SEQ - 2 tokens holds its slot for seconds (the queue and cancel tests).
 MAX_SEQ = 1024
 
@@ -182,7 +184,7 @@ BAD = {
     "empty_prompt_list": ("/v1/completions", {"prompt": []}),
     "top_p_zero": ("/v1/completions", {"prompt": "x", "top_p": 0}),
     "negative_temperature": ("/v1/completions", {"prompt": "x", "temperature": -1}),
-    "five_stops": ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}),
+    "too_many_stops": ("/v1/completions", {"prompt": "x", "stop": [str(i) for i in range(MAX_STOP + 1)]}),
     "empty_messages": ("/v1/chat/completions", {"messages": []}),
     "bad_role": ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}),
     "message_without_content": ("/v1/chat/completions", {"messages": [{"role": "user"}]}),
@@ -437,7 +439,7 @@ def _request_bodies():
         "top_p": st.floats(0.01, 1),
         "top_k": st.integers(0, 200),
         "seed": st.integers(-(2**63), 2**63 - 1),
-        "stop": st.one_of(text.filter(bool), st.lists(text.filter(bool), max_size=4)),
+        "stop": st.one_of(text.filter(bool), st.lists(text.filter(bool), max_size=6)),
         "stream": st.booleans(),
         "n": st.integers(1, 2),
         "presence_penalty": st.floats(-2, 2),
@@ -451,7 +453,7 @@ def _request_bodies():
         "top_p": st.one_of(st.floats(max_value=0), st.floats(min_value=1.01), st.just([1])),
         "top_k": st.one_of(st.integers(max_value=-1), st.just("1")),
         "seed": st.one_of(st.integers(min_value=2**64), st.floats(0.5, 1.5)),
-        "stop": st.one_of(st.just(""), st.lists(text, min_size=5, max_size=6), st.integers()),
+        "stop": st.one_of(st.just(""), st.lists(text, min_size=MAX_STOP + 1, max_size=MAX_STOP + 2), st.integers()),
         "stream": st.one_of(st.just("yes"), st.integers(2, 3)),
         "n": st.one_of(st.integers(max_value=0), st.integers(min_value=129), st.just("2")),
         "prompt": st.one_of(st.just([]), st.lists(st.integers(128, 10**6), min_size=1, max_size=3), st.just({})),

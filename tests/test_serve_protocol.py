@@ -10,6 +10,7 @@ import pytest
 
 from peagle_jax.serve.protocol import (
     CHAT_NOT_IMPLEMENTED,
+    MAX_STOP,
     APIError,
     ChatRequest,
     CompletionRequest,
@@ -84,3 +85,14 @@ def test_logprobs_wanted():
     ]
     for schema, body, want in cases:
         assert logprobs_wanted(_parse(schema, body)) == want, body
+
+
+def test_stop_strings_beyond_the_openai_four_are_accepted_up_to_max_stop():
+    """lm-evaluation-harness sends a task's ``until`` strings and the EOS string as ``stop`` (humaneval: 6);
+    vLLM takes any number, so this server takes up to MAX_STOP, and refuses more by name."""
+    stops = ["\nclass", "\ndef", "\n#", "\nif", "\nprint", "<|im_end|>"]
+    assert _parse(CompletionRequest, {**COMPLETION, "stop": stops}).stop == stops
+    assert _parse(ChatRequest, {**CHAT, "stop": [str(i) for i in range(MAX_STOP)]}).stop[-1] == str(MAX_STOP - 1)
+    with pytest.raises(APIError) as err:
+        _parse(CompletionRequest, {**COMPLETION, "stop": [str(i) for i in range(MAX_STOP + 1)]})
+    assert (err.value.status, err.value.param) == (400, "stop")

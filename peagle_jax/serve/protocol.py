@@ -21,7 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from peagle_jax.penalties import MAX_BIAS, MAX_PENALTY
 
-MAX_STOP = 4  # stop strings per request, as the OpenAI API
+# Stop strings per request. The OpenAI API allows 4, vLLM any number; lm-evaluation-harness sends a task's
+# `until` strings and the EOS string (6 for humaneval).
+MAX_STOP = 32
 MAX_CHOICES = 128  # choices per request: n, times the prompts of a completions request
 MAX_LOGPROBS = 20  # top_logprobs (chat) and logprobs (completions), as the OpenAI API
 
