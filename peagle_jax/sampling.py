@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from peagle_jax.errors import UserError
+from peagle_jax.logit_rules import step_logits
 from peagle_jax.ops import argmax_first
-from peagle_jax.penalties import step_logits
 from peagle_jax.platform import branching_allowed
 
 
@@ -174,11 +174,11 @@ def greedy_or_sampled(greedy, sampled, temperature_B):
     return jax.lax.cond(jnp.any(temperature_B > 0), sampled, lambda: greedy)
 
 
-def sample(logits_BV, params: SamplingParams, seeds_B, positions_B, *, greedy_only: bool = False, penalties=None):
+def sample(logits_BV, params: SamplingParams, seeds_B, positions_B, *, greedy_only: bool = False, rules=None):
     """One token per row, int32 [B], for the token at ``positions_B``. ``greedy_only`` (static) skips the
     filters (every row greedy; :func:`greedy_graph`). The draw is Gumbel-max over the filtered logits.
-    ``penalties`` (:class:`peagle_jax.penalties.Penalties`) adjust the logits first."""
-    logits_BV = step_logits(logits_BV, penalties)
+    ``rules`` (:class:`peagle_jax.logit_rules.LogitRules`: penalties, bias, grammar) adjust the logits first."""
+    logits_BV = step_logits(logits_BV, rules)
     greedy_B = argmax_first(logits_BV, axis=-1)
     if greedy_only:
         return greedy_B

@@ -15,8 +15,8 @@ from test_serve_slots import CFG, DCFG, MAX_SEQ, REQUESTS, _reference, _scaled
 from peagle_jax.drafter import draft as D
 from peagle_jax.drafter.model import init_drafter_params
 from peagle_jax.engine.generator import Generator, RequestError, decode_step, sample_jit
+from peagle_jax.logit_rules import LogitRules, count_tokens, start_row, step_logits, tree_logits
 from peagle_jax.models import model as M
-from peagle_jax.penalties import Penalties, count_tokens, start_row, step_logits, tree_logits
 from peagle_jax.sampling import SamplingParams
 from peagle_jax.serve.slots import SlotEngine, SlotRequest, merge_roots, put_row
 from peagle_jax.spec import verify as V
@@ -80,7 +80,7 @@ def _host_reference(params, r) -> list[int]:
 
 def test_plain_decoding_equals_the_host_reference(models):
     params, _ = models
-    outs = _run(SlotEngine(Generator(CFG, params, max_seq_len=MAX_SEQ), 3, penalties=True), PENALIZED)
+    outs = _run(SlotEngine(Generator(CFG, params, max_seq_len=MAX_SEQ), 3, rules=True), PENALIZED)
     for i, r in enumerate(PENALIZED):
         assert outs[i] == _host_reference(params, r), i
     assert 5 not in outs[2] and outs[3] == [1] * 18  # the bias bans EOS; a negative presence repeats a favoured token
@@ -96,13 +96,13 @@ def test_plain_decoding_equals_the_host_reference(models):
 )
 def test_speculative_equals_plain_with_penalties(models, spec):
     params, dparams = models
-    plain = _run(SlotEngine(Generator(CFG, params, max_seq_len=MAX_SEQ), 3, penalties=True), PENALIZED)
+    plain = _run(SlotEngine(Generator(CFG, params, max_seq_len=MAX_SEQ), 3, rules=True), PENALIZED)
     kw = dict(spec)
     tree, adaptive = kw.pop("tree", None), kw.pop("adaptive", False)
     gen = SpeculativeGenerator(
         CFG, params, DCFG, dparams, tree=V.parse_tree(tree) if tree else None, max_seq_len=MAX_SEQ, **kw
     )
-    engine = SlotEngine(gen, 3, penalties=True, adaptive=adaptive)
+    engine = SlotEngine(gen, 3, rules=True, adaptive=adaptive)
     assert _run(engine, PENALIZED) == plain
     assert sum(gen.spec.accepted_per_position) > 0
     # Requests without penalties on a penalties engine: the outputs of plain decoding without them.
@@ -112,8 +112,9 @@ def test_speculative_equals_plain_with_penalties(models, spec):
 
 
 def test_a_tree_node_sees_the_counts_of_its_path():
-    """tree_logits at every node equals step_logits with the committed counts plus the node's drafted path;
-    an inactive row (zero penalties and bias) keeps its logits bit for bit."""
+    """tree_logits at every node equals step_logits with the committed counts plus the node's drafted path and
+    the node's grammar mask; an inactive row (zero penalties and bias, no grammar) keeps its logits bit for
+    bit."""
     tree = V.parse_tree("0,1,2,00,01,10,000,001,0000")
     B, T, Vocab = 3, tree.size + 1, 7
     rng = np.random.default_rng(0)
@@ -122,11 +123,16 @@ def test_a_tree_node_sees_the_counts_of_its_path():
     counts = rng.integers(0, 3, size=(B, Vocab)).astype(np.int32)
     bias = rng.normal(size=(B, Vocab)).astype(np.float32)
     bias[2] = 0
-    pen = Penalties(
+    allowed = np.full((B, T, 1), -1, np.int32)  # row 0 has a grammar: a random mask per node (token 0 allowed)
+    allowed[0, :, 0] = rng.integers(0, 2**7, size=T) | 1
+    pen = LogitRules(
         jnp.asarray([0.7, -1.3, 0.0]), jnp.asarray([0.4, 1.9, 0.0]), jnp.asarray([True, True, False]),
-        jnp.asarray(bias), jnp.asarray(counts),
+        jnp.asarray(bias), jnp.asarray(counts), jnp.asarray(allowed), jnp.asarray([True, False, False]),
+        jnp.zeros((B, T - 1), jnp.int32),
     )  # fmt: skip
     got = np.asarray(jax.jit(tree_logits, static_argnums=2)(logits, jnp.asarray(tokens), tree, pen))
+    bits = (allowed[0, :, 0][:, None] >> np.arange(Vocab)) & 1
+    assert np.all(np.isneginf(got[0]) == (bits == 0))
     anc, depths = tree.ancestors(), (0, *tree.depths)
     for i in range(T):
         path = [int(anc[i, d]) for d in range(depths[i])]
@@ -134,11 +140,13 @@ def test_a_tree_node_sees_the_counts_of_its_path():
         for b in range(B):
             for node in path:
                 c[b, tokens[b, node]] += 1
-        want = step_logits(logits[:, i], pen._replace(counts=jnp.asarray(c)))
+        want = step_logits(
+            logits[:, i], pen._replace(counts=jnp.asarray(c), allowed=jnp.asarray(allowed[:, i : i + 1]))
+        )
         np.testing.assert_array_equal(got[:, i], np.asarray(want), err_msg=f"node {i}")
     np.testing.assert_array_equal(got[2], np.asarray(logits[2]))
     # A step where no row is active: the logits unchanged.
-    off = pen._replace(active=jnp.zeros(B, bool))
+    off = pen._replace(active=jnp.zeros(B, bool), constrained=jnp.zeros(B, bool))
     np.testing.assert_array_equal(np.asarray(tree_logits(logits, jnp.asarray(tokens), tree, off)), np.asarray(logits))
 
 
@@ -162,7 +170,7 @@ def test_counts_and_row_starts():
 )
 def test_bad_values_are_refused(models, bad, message):
     params, _ = models
-    engine = SlotEngine(Generator(CFG, params, max_seq_len=MAX_SEQ), 2, penalties=True)
+    engine = SlotEngine(Generator(CFG, params, max_seq_len=MAX_SEQ), 2, rules=True)
     with pytest.raises(RequestError, match=message.replace("[", r"\[").replace("]", r"\]")):
         engine.admit(SlotRequest([1, 2], 3, **bad))
     assert engine.active == 0
@@ -183,7 +191,7 @@ def test_no_compiles_after_warmup_with_penalties(models, speculative):
         graphs = (M.prefill, sample_jit, put_row, decode_step, merge_roots)
         load_k = []
     graphs += (count_tokens, start_row)
-    engine = SlotEngine(gen, 4, load_k=load_k, penalties=True, logprobs=True)
+    engine = SlotEngine(gen, 4, load_k=load_k, rules=True, logprobs=True)
     engine.warmup()
     before = [g._cache_size() for g in graphs]
     _run(engine, PENALIZED + [dict(prompt=[1, 2] * 20, max_new_tokens=20, logit_bias={3: 1.0})])

@@ -97,7 +97,7 @@ def test_penalties_and_logit_bias_under_speculation(server, dirs):
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(one, requests))
     cfg, params = load_target_any(dirs[0])
-    engine = SlotEngine(Generator(cfg, params, max_seq_len=MAX_SEQ), 1, penalties=True)
+    engine = SlotEngine(Generator(cfg, params, max_seq_len=MAX_SEQ), 1, rules=True)
     for r, tokens in zip(requests, got, strict=True):
         ids, n, temperature, seed, pen = r
         events = [engine.admit(SlotRequest(ids, n, temperature, seed=seed, stop_token_ids=cfg.eos_token_ids, **pen))]

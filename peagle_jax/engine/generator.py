@@ -44,21 +44,21 @@ def decode_step(
     greedy_only,
     window,
     logprobs=False,
-    penalties=None,
+    rules=None,
 ):
     """Feed one token per row at its position, sample the next. Returns (next tokens [B], cache), and with
     ``logprobs`` (static) (next tokens [B], cache, :class:`~peagle_jax.logprobs.TokenLogprobs` [B, 1] of the
-    next tokens). ``penalties``: :class:`peagle_jax.penalties.Penalties` of the rows (None: none)."""
+    next tokens). ``rules``: :class:`peagle_jax.logit_rules.LogitRules` of the rows (None: none)."""
     out, cache = model.forward(params, cache, tokens_B[:, None], positions_B, cfg=cfg, window=window)
-    next_B = sample(out.logits[:, 0], sampling, seeds_B, positions_B + 1, greedy_only=greedy_only, penalties=penalties)
+    next_B = sample(out.logits[:, 0], sampling, seeds_B, positions_B + 1, greedy_only=greedy_only, rules=rules)
     if not logprobs:
         return next_B, cache
     return next_B, cache, token_logprobs(out.logits, next_B[:, None])
 
 
 @functools.partial(jax.jit, static_argnames=("greedy_only",))
-def sample_jit(logits_BV, sampling, seeds_B, positions_B, *, greedy_only, penalties=None):
-    return sample(logits_BV, sampling, seeds_B, positions_B, greedy_only=greedy_only, penalties=penalties)
+def sample_jit(logits_BV, sampling, seeds_B, positions_B, *, greedy_only, rules=None):
+    return sample(logits_BV, sampling, seeds_B, positions_B, greedy_only=greedy_only, rules=rules)
 
 
 @dataclasses.dataclass

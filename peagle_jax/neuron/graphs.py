@@ -23,7 +23,8 @@ slots and window buckets from a generator built with these buckets. For each bat
 
 Every graph that picks a token is the server's variant (:class:`peagle_jax.serve.slots.SlotEngine` built by
 ``python -m peagle_jax.serve``): it returns the emitted tokens' log-probabilities and takes the slots'
-penalties and logit biases; ``start_row`` and ``count_tokens`` keep the slots' generated-token counts.
+penalties, logit biases and grammar masks (:mod:`peagle_jax.logit_rules`); ``start_row`` and
+``count_tokens`` keep the slots' generated-token counts.
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.draft import drafter_prefill, fused_mask_hidden, parallel_draft, sequential_draft
 from peagle_jax.drafter.model import init_drafter_params, new_drafter_cache
 from peagle_jax.engine.generator import Generator, decode_step, sample_jit
+from peagle_jax.logit_rules import LogitRules, count_tokens, mask_words, start_row
 from peagle_jax.models import model
 from peagle_jax.models.config import ModelConfig
 from peagle_jax.neuron.buckets import ServingBuckets
-from peagle_jax.penalties import Penalties, count_tokens, start_row
 from peagle_jax.sampling import SamplingParams
 from peagle_jax.sharding import AXIS, CACHE_SPEC, check_target_tp, param_shardings, target_dispatch
 from peagle_jax.spec.graphs import flush_context, fused_step, plain_step, write_context
@@ -79,16 +80,18 @@ def _sampling(B):
     return SamplingParams(sds((B,), jnp.float32), sds((B,), jnp.int32), sds((B,), jnp.float32))
 
 
-def _penalties(B, V):
-    """The server's per-row penalties and logit bias (its engine passes them to every graph that samples)."""
-    f32 = sds((B,), jnp.float32)
-    return Penalties(f32, f32, sds((B,), jnp.bool_), sds((B, V), jnp.float32), sds((B, V), jnp.int32))
+def _rules(B, V, T=1):
+    """The server's per-row penalties, logit bias and grammar masks of T nodes (its engine passes them to every
+    graph that samples)."""
+    f32, flags = sds((B,), jnp.float32), sds((B,), jnp.bool_)
+    words = sds((B, T, mask_words(V)), jnp.int32)
+    return LogitRules(f32, f32, flags, sds((B, V), jnp.float32), sds((B, V), jnp.int32), words, flags)
 
 
-def _served(B, V) -> dict:
+def _served(B, V, T=1) -> dict:
     """The keywords the server's engine passes every graph that samples: log-probabilities on
-    (:mod:`peagle_jax.logprobs`) and the slots' penalties (:mod:`peagle_jax.penalties`)."""
-    return dict(logprobs=True, penalties=_penalties(B, V))
+    (:mod:`peagle_jax.logprobs`) and the slots' logit rules (:mod:`peagle_jax.logit_rules`) for T nodes."""
+    return dict(logprobs=True, rules=_rules(B, V, T))
 
 
 def _counting_graphs(B: int, V: int, widths) -> list[Graph]:
@@ -159,7 +162,7 @@ def plain_graphs(cfg, params, buckets: ServingBuckets, mesh=None) -> list[Graph]
         for g in modes:
             mode = "greedy" if g else "sampling"
             args = (sds((B, V), jnp.float32), _sampling(B), sds((B,), jnp.uint32), ints)
-            static = dict(greedy_only=g, penalties=_penalties(B, V))
+            static = dict(greedy_only=g, rules=_rules(B, V))
             out.append(Graph(f"sample_b{B}_{mode}", sample_jit, args, static))
         for key in step_keys([B], [chain(0)], windows_up_to(gen.window_buckets, buckets.max_seq_len), modes):
             mode, W = "greedy" if key.greedy_only else "sampling", key.window
@@ -234,7 +237,7 @@ def _step_graphs(cfg, params, dcfg, dparams, buckets, gen, step: Tree, B, caches
     abstract target cache, drafter cache and draft context of batch bucket B."""
     cache, dcache, ctx = caches
     S, tn, ints = gen.num_slots, tree_name(step), sds((B,), jnp.int32)
-    served = _served(B, cfg.vocab_size)
+    served = _served(B, cfg.vocab_size, step.size + 1)  # a mask per tree node
     C, Q = ctx[0].shape[1], ctx[1].shape[1]  # the draft's context slots, the queue's
     embed = None if dcfg.own_embedding else params["embed_tokens"]
     mask_g = sds((dcfg.hidden_size,), dcfg.layer.jnp_dtype) if dcfg.parallel else None

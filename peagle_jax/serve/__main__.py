@@ -243,6 +243,20 @@ def load(args):
     return gen, tokenizer, tuple(sorted(stops)), name
 
 
+def grammars_for(tokenizer, vocab_size: int, stops):
+    """The model's :class:`~peagle_jax.grammar.Grammars` for structured outputs; None without a (fast)
+    tokenizer, and then a request with a grammar is a 400 that says so."""
+    if tokenizer is None:
+        return None
+    from peagle_jax.grammar import Grammars
+
+    try:
+        return Grammars(tokenizer, vocab_size, stops)
+    except ValueError as err:
+        logging.getLogger("peagle_jax.serve").warning("structured outputs are off: %s", err)
+        return None
+
+
 def curl_example(host: str, port: int, name: str) -> str:
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     body = f'{{"model": "{name}", "messages": [{{"role": "user", "content": "Say hello."}}], "max_tokens": 32}}'
@@ -265,10 +279,12 @@ def main(argv=None) -> int:
 
         # Log-probabilities are computed in every step graph (one static flag, so a request that asks for
         # them compiles nothing): the log-softmax and top 20 of the emitted positions only. Likewise every
-        # step takes the slots' penalties and logit biases (skipped inside the graph while no row has any).
+        # step takes the slots' penalties, logit biases and grammar masks (skipped inside the graph while no
+        # row has any).
         engine = SlotEngine(
-            gen, args.max_batch, load_k=args.load_k, adaptive=args.adaptive_k, logprobs=True, penalties=True
-        )
+            gen, args.max_batch, load_k=args.load_k, adaptive=args.adaptive_k, logprobs=True, rules=True,
+            grammars=grammars_for(tokenizer, gen.cfg.vocab_size, stops),
+        )  # fmt: skip
         engine.overlap = not args.sync_steps
         if args.warmup_only:
             return warmup_only(args, engine)

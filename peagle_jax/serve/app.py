@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from peagle_jax.engine.generator import RequestError
+from peagle_jax.errors import UserError
 from peagle_jax.serve import protocol
 from peagle_jax.serve.logprobs import LogprobsWriter
 from peagle_jax.serve.protocol import APIError, ChatRequest, CompletionRequest
@@ -176,12 +177,33 @@ def build_app(state: ServerState, lifespan=None) -> Starlette:
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             logit_bias=protocol.logit_bias(req) or None,
+            grammar=grammar_of(req),
         )
         try:
             worker.engine.check(sreq)
         except RequestError as err:
             raise APIError(400, str(err)) from None
         return sreq
+
+    grammars: dict[str, str] = {}  # compiled grammars by their request (the last 256)
+
+    def grammar_of(req) -> str | None:
+        """The request's compiled grammar (structured outputs), or None; a 400 when it does not compile."""
+        spec = protocol.structured(req)
+        if spec is None:
+            return None
+        param = protocol.structured_param(req)
+        if worker.engine.grammars is None:
+            raise APIError(400, f"{param}: this server has no tokenizer for structured outputs", param=param)
+        key = json.dumps(spec, sort_keys=True)
+        if key not in grammars:
+            try:
+                grammars[key] = worker.engine.grammars.compile(*spec)
+            except UserError as err:
+                raise APIError(400, f"{param}: {err}", param=param) from None
+            while len(grammars) > 256:
+                grammars.pop(next(iter(grammars)))
+        return grammars[key]
 
     def echo_of(req) -> bool:
         return isinstance(req, CompletionRequest) and bool(req.echo)

@@ -5,7 +5,7 @@ The schemas are strict about types: wrong JSON types are refused (no ``"1"`` for
 parameters this server does not implement are refused by name (a 400, ``unsupported_parameter``) unless
 they have their neutral values (no tools, ``response_format`` text, ...). ``presence_penalty``,
 ``frequency_penalty`` (over the generated tokens, [-2, 2]) and ``logit_bias`` (token id -> [-100, 100]) are
-served (:mod:`peagle_jax.penalties`).
+served (:mod:`peagle_jax.logit_rules`).
 Log-probabilities are served (chat ``logprobs`` + ``top_logprobs``, completions ``logprobs``, 0..20
 alternatives, and ``echo``). Top-level fields the OpenAI API does not define at all are ignored, and the request records
 their names (:attr:`_Common.ignored`) for one warning line in the log, as vLLM does: an SDK that adds a
@@ -14,12 +14,12 @@ field does not break its clients. Inside messages and ``stream_options`` unknown
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
-from peagle_jax.penalties import MAX_BIAS, MAX_PENALTY
+from peagle_jax.logit_rules import MAX_BIAS, MAX_PENALTY
 
 # Stop strings per request. The OpenAI API allows 4, vLLM any number; lm-evaluation-harness sends a task's
 # `until` strings and the EOS string (6 for humaneval).
@@ -75,6 +75,13 @@ class _Common(BaseModel):
     # the prompt and the answer in each choice (``prompt_token_ids``, ``token_ids``), not streamed.
     stop_token_ids: list[int] | None = None
     return_token_ids: bool | None = None
+    # Structured outputs: OpenAI's response_format (also on completions, as vLLM), and vLLM's extensions
+    # structured_outputs ({"json" | "regex" | "choice": ...}) and guided_json / guided_regex / guided_choice.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
     _ignored: list[str] = PrivateAttr(default_factory=list)  # set by parse()
 
     @property
@@ -121,7 +128,6 @@ CHAT_NOT_IMPLEMENTED = {
     "parallel_tool_calls": (None, True, False),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
@@ -223,6 +229,7 @@ def _check_common(req: _Common) -> None:
         if value is not None and not -MAX_PENALTY <= value <= MAX_PENALTY:
             raise APIError(400, f"{name} must be in [-2, 2], got {value}", param=name)
     logit_bias(req)
+    structured(req)
     if req.max_tokens is not None and req.max_tokens < 1:
         raise APIError(400, f"max_tokens must be >= 1, got {req.max_tokens}", param="max_tokens")
     if req.temperature is not None and not 0 <= req.temperature <= 2:
@@ -256,6 +263,61 @@ def logit_bias(req: _Common) -> dict[int, float]:
             raise APIError(400, message, param="logit_bias")
         out[int(key)] = float(value)
     return out
+
+
+def structured(req: _Common) -> tuple[str, Any] | None:
+    """The request's grammar as (kind, value) for :meth:`peagle_jax.grammar.Grammars.compile`: ``json_schema``
+    (a schema), ``json_object``, ``regex`` or ``choice`` (strings); None when it asks for none. A 400 names a
+    malformed one, or two given at once."""
+    found = []
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            found.append(("json_object", None, "response_format"))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                message = "response_format.json_schema must be an object with a schema"
+                raise APIError(400, message, param="response_format")
+            found.append(("json_schema", spec.get("schema", {}), "response_format"))
+        elif kind != "text":
+            raise APIError(
+                400, f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                param="response_format",
+            )  # fmt: skip
+    so = req.structured_outputs or {}
+    for key in so:
+        kinds = {"json": "json_schema", "regex": "regex", "choice": "choice", "json_object": "json_object"}
+        if key not in kinds:
+            raise APIError(400, f"structured_outputs.{key} is not supported (json, regex, choice, json_object)",
+                           param="structured_outputs")  # fmt: skip
+        value = so[key]
+        if key == "json" and isinstance(value, str):
+            try:
+                value = pydantic_core.from_json(value)
+            except ValueError as err:
+                raise APIError(400, f"structured_outputs.json is not JSON: {err}", param="structured_outputs") from None
+        ok = {"json": dict, "regex": str, "choice": list, "json_object": bool}[key]
+        if not isinstance(value, ok) or (key == "choice" and not all(isinstance(c, str) for c in value)):
+            raise APIError(400, f"structured_outputs.{key} has the wrong type", param="structured_outputs")
+        if key != "json_object" or value:
+            found.append((kinds[key], None if key == "json_object" else value, "structured_outputs"))
+    for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice")):
+        if getattr(req, name) is not None:
+            found.append((kind, getattr(req, name), name))
+    if len(found) > 1:
+        raise APIError(400, f"give one structured output, not {len(found)} ({', '.join(f[2] for f in found)})",
+                       param=found[1][2])  # fmt: skip
+    return (found[0][0], found[0][1]) if found else None
+
+
+def structured_param(req: _Common) -> str:
+    """The request field that holds its grammar (for a 400 about it)."""
+    for name in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice"):
+        if getattr(req, name) is not None and (name != "response_format" or req.response_format.get("type") != "text"):
+            return name
+    return "response_format"
 
 
 def prompt_list(req: CompletionRequest) -> list[str | list[int]]:

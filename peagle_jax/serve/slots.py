@@ -54,9 +54,10 @@ import numpy as np
 from peagle_jax.drafter.model import new_drafter_cache
 from peagle_jax.engine.generator import Generator, RequestError, StepStats, decode_step, sample_jit
 from peagle_jax.engine.overlap import Launched, launch_then_read
+from peagle_jax.grammar import Constraint, Grammars
+from peagle_jax.logit_rules import LogitRules, check_penalties, count_tokens, mask_words, start_row
 from peagle_jax.logprobs import first_logprobs, host_logprobs, row_logprobs
 from peagle_jax.models import model
-from peagle_jax.penalties import Penalties, check_penalties, count_tokens, start_row
 from peagle_jax.platform import MapBudget
 from peagle_jax.sampling import SamplingParams, check_sampling_args, greedy_graph, greedy_modes
 from peagle_jax.spec.adaptive import CALIBRATION_STEPS, AdaptiveK, adaptive_policy
@@ -90,11 +91,13 @@ class SlotRequest:
     group_size: int = 1
     id: int = dataclasses.field(default_factory=next_request_id)
     echo: bool = False  # the admission's event also carries the prompt's log-probabilities (needs logprobs)
-    # :mod:`peagle_jax.penalties` (need the engine's ``penalties``): over the tokens generated so far, and a
-    # bias added to the logits of token ids
+    # :mod:`peagle_jax.logit_rules` (need the engine's ``rules``): penalties over the tokens generated so far,
+    # a bias added to the logits of token ids, and a grammar the answer follows (:meth:`Grammars.compile
+    # <peagle_jax.grammar.Grammars.compile>`; needs the engine's ``grammars``)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
+    grammar: str | None = None
 
     @property
     def penalized(self) -> bool:
@@ -187,7 +190,8 @@ class SlotEngine:
         load_k: Sequence[tuple[int, int]] = (),
         adaptive: bool = False,
         logprobs: bool = False,
-        penalties: bool = False,
+        rules: bool = False,
+        grammars: Grammars | None = None,
     ):
         """``load_k``: (n, K') pairs, with at least n active slots a step drafts and verifies a chain of K'
         (0: a plain step). ``adaptive``: each step picks plain, a chain of 1 or the generator's own tree by
@@ -195,14 +199,19 @@ class SlotEngine:
         every step (and admission) also returns the emitted tokens' raw log-probabilities and the top
         :data:`~peagle_jax.logprobs.TOP_LOGPROBS` (one flag for all graphs, so that requests that ask for
         them compile nothing; sets the generator's :attr:`~peagle_jax.engine.generator.Generator.logprobs`).
-        ``penalties``: every step takes the slots' presence/frequency penalties and logit biases
-        (:mod:`peagle_jax.penalties`; again one flag for all graphs, so requests that use them compile nothing);
-        without it such requests are refused."""
+        ``rules``: every step takes the slots' presence/frequency penalties, logit biases and grammar masks
+        (:mod:`peagle_jax.logit_rules`; again one flag for all graphs, so requests that use them compile nothing);
+        without it such requests are refused. ``grammars``: the model's :class:`~peagle_jax.grammar.Grammars`,
+        for requests with a grammar (structured outputs; needs ``rules``)."""
         if max_batch < 1:
             raise RequestError(f"max_batch must be >= 1, got {max_batch}")
         self.gen, self.B = gen, max_batch
         self.logprobs = gen.logprobs = logprobs
-        self.penalties = penalties
+        self.rules, self.grammars = rules or grammars is not None, grammars
+        # Grammar-aware drafting: a constrained row's drafted tokens are replaced by the best ones its grammar
+        # allows before the verify (peagle_jax.grammar); outputs are the same either way.
+        self.grammar_drafting = True
+        self.structured = {"requests": 0, "target_forwards": 0, "emitted": 0}  # of the rows with a grammar
         self._load_k, self._adaptive = tuple(load_k), adaptive
         self.speculative = isinstance(gen, SpeculativeGenerator)
         # The step keys whose graphs still compile in the background (see the module docstring): a drafting
@@ -247,10 +256,13 @@ class SlotEngine:
         self.presence = np.zeros(B, np.float32)
         self.frequency = np.zeros(B, np.float32)
         self.penalized = np.zeros(B, bool)  # the slot's request has penalties or a logit bias
+        self.constrained = np.zeros(B, bool)  # the slot's request has a grammar
+        self.constraints: list[Constraint | None] = [None] * B  # its grammar state
         # A step runs only the first `rows` slots, the smallest bucket covering every busy one (admission
         # takes the lowest free slot), so a lightly loaded server does not pay for all B rows.
         self.row_buckets = tuple(sorted({min(1 << i, B) for i in range(B.bit_length() + 1)}))
         self._device_params = {}
+        self._free_masks = {}  # all-ones masks and no host drafts per (rows, nodes), on the device
         self.overlap = True  # plain steps launch the next one before reading their tokens
         self.reset()
 
@@ -291,7 +303,7 @@ class SlotEngine:
             self.pending = np.zeros(B, np.int32)  # the token each row feeds next, at ``positions``
             self.positions = np.zeros(B, np.int32)
         self.slots = [None] * B
-        if self.penalties:  # each slot's generated-token counts and logit bias (rows start over at admission)
+        if self.rules:  # each slot's generated-token counts and logit bias (rows start over at admission)
             V = gen.cfg.vocab_size
             self.counts, self.bias = jnp.zeros((B, V), jnp.int32), jnp.zeros((B, V), jnp.float32)
         # (group, prefill outputs, members still to admit, echoed prompt log-probabilities) of the request group
@@ -319,8 +331,10 @@ class SlotEngine:
             check_sampling_args(req.temperature, req.top_k, req.top_p)
         except ValueError as err:
             raise RequestError(str(err)) from None
+        if req.grammar is not None and self.grammars is None:
+            raise RequestError("this engine serves no structured outputs (no grammars)")
         if req.penalized:
-            if not self.penalties:
+            if not self.rules:
                 raise RequestError("this engine takes no presence/frequency penalties or logit_bias")
             try:
                 check_penalties(req.presence_penalty, req.frequency_penalty, req.logit_bias, self.gen.cfg.vocab_size)
@@ -333,22 +347,69 @@ class SlotEngine:
             self._device_params[rows] = (
                 SamplingParams(*(host_copy(x[:rows]) for x in (self.temperature, self.top_k, self.top_p))),
                 host_copy(self.seeds[:rows]),
-                tuple(host_copy(x[:rows]) for x in (self.presence, self.frequency, self.penalized)),
+                tuple(host_copy(x[:rows]) for x in (self.presence, self.frequency, self.penalized, self.constrained)),
             )
         return self._device_params[rows][:2]
 
-    def _penalties(self, rows: int) -> Penalties | None:
-        """The first ``rows`` slots' :class:`~peagle_jax.penalties.Penalties` (None without :attr:`penalties`)."""
-        if not self.penalties:
+    def _rules(self, rows: int, nodes: int = 1, allowed=None, drafted=None) -> LogitRules | None:
+        """The first ``rows`` slots' :class:`~peagle_jax.logit_rules.LogitRules` for a step of ``nodes`` tree
+        nodes (None without :attr:`rules`); ``allowed`` [rows, nodes, W] and ``drafted`` [rows, nodes - 1]
+        (host) where a row has a grammar, else every token allowed and nothing drafted on the host."""
+        if not self.rules:
             return None
         self._sampling(rows)
-        return Penalties(*self._device_params[rows][2], self.bias, self.counts)
+        presence, frequency, active, constrained = self._device_params[rows][2]
+        if allowed is None:
+            key = ("free", rows, nodes)
+            if key not in self._free_masks:
+                W = mask_words(self.gen.cfg.vocab_size)
+                self._free_masks[key] = (
+                    jnp.full((rows, nodes, W), -1, jnp.int32),
+                    jnp.zeros((rows, nodes - 1), jnp.int32),
+                )
+            allowed, drafted = self._free_masks[key]
+        else:  # device arrays, as the free masks (a host array is another jit cache key)
+            allowed, drafted = jnp.asarray(allowed), jnp.asarray(drafted)
+        return LogitRules(presence, frequency, active, self.bias, self.counts, allowed, constrained, drafted)
+
+    def _grammar_rows(self, live_R) -> np.ndarray:
+        """The rows among the first R = ``len(live_R)`` whose grammar decides this step."""
+        return np.flatnonzero(self.constrained[: len(live_R)] & live_R)
+
+    def _plain_rules(self, live_R) -> LogitRules | None:
+        """A plain step's rules over the first R rows: the grammar rows' masks of their state now."""
+        rows = self._grammar_rows(live_R)
+        if not len(rows):
+            return self._rules(len(live_R))
+        allowed = np.full((len(live_R), 1, mask_words(self.gen.cfg.vocab_size)), -1, np.int32)
+        for b in rows:
+            self.constraints[b].mask(allowed[b, 0])
+        return self._rules(len(live_R), 1, allowed, np.zeros((len(live_R), 0), np.int32))
+
+    def _tree_rules(self, live_R, tree: Tree):
+        """A draft -> verify step's rules over the first R rows: fixed, or, where a row has a grammar, a
+        function of the drafted candidates [R, K, N] (host) that returns them with each node's mask after its
+        own path and the grammar rows' node tokens (:meth:`peagle_jax.grammar.Constraint.tree_masks`)."""
+        R, T = len(live_R), tree.size + 1
+        rows = self._grammar_rows(live_R)
+        if not len(rows):
+            return self._rules(R, T)
+
+        def after_draft(drafts_RKN):
+            allowed = np.full((R, T, mask_words(self.gen.cfg.vocab_size)), -1, np.int32)
+            drafted = np.zeros((R, T - 1), np.int32)
+            aware = self.grammar_drafting
+            for b in rows:
+                drafted[b] = self.constraints[b].tree_masks(tree, drafts_RKN[b], allowed[b], aware=aware)
+            return self._rules(R, T, allowed, drafted)
+
+        return after_draft
 
     def _count(self, tokens_R, n_R, live_R) -> None:
         """Add a step's tokens (``tokens_R`` [R] or [R, P], host or device; the first ``n_R`` of each row) to
         the slot counts, while a busy slot among the first R has penalties: the others' counts are never read
         (a row starts over at admission)."""
-        if self.penalties and self.penalized[: len(live_R)][live_R].any():
+        if self.rules and self.penalized[: len(live_R)][live_R].any():
             tokens_RP = jnp.asarray(tokens_R if tokens_R.ndim == 2 else tokens_R[:, None])  # one jit key: device
             self.counts = count_tokens(self.counts, tokens_RP, np.asarray(n_R, np.int32))
 
@@ -362,9 +423,12 @@ class SlotEngine:
         ``logprobs``: the tokens' (:attr:`SlotEvent.logprobs`), cut as they are."""
         slot = self.slots[b]
         out, finish = [], None
+        constraint = self.constraints[b]
         for tok in tokens:
             out.append(int(tok))
             slot.tokens.append(int(tok))
+            if constraint is not None:
+                constraint.consume([tok])
             if int(tok) in slot.stops:
                 finish = "stop"
             elif slot.produced >= slot.request.max_new_tokens:
@@ -379,7 +443,8 @@ class SlotEngine:
         self.slots[b] = None
         self.temperature[b] = 0.0
         self.presence[b] = self.frequency[b] = 0.0
-        self.penalized[b] = False
+        self.penalized[b] = self.constrained[b] = False
+        self.constraints[b] = None
         self._device_params = {}
         if self.speculative:
             s = self.state
@@ -431,16 +496,22 @@ class SlotEngine:
         else:
             logits, cache1 = prefilled
         position = jnp.asarray([len(prompt)], jnp.int32)
-        if self.penalties:  # no generated tokens yet: the bias alone
-            bias_V = np.zeros(gen.cfg.vocab_size, np.float32)
+        if self.rules:  # no generated tokens yet: the bias and the grammar's start
+            V = gen.cfg.vocab_size
+            bias_V = np.zeros(V, np.float32)
             for tok, value in (req.logit_bias or {}).items():
                 bias_V[int(tok)] = value
-            pen1 = Penalties(
-                *(np.asarray([x], dt) for x, dt in ((req.presence_penalty, np.float32),
-                  (req.frequency_penalty, np.float32), (req.penalized, bool))),
-                bias_V[None], np.zeros((1, gen.cfg.vocab_size), np.int32),
+            constraint = None if req.grammar is None else self.grammars.constraint(req.grammar)
+            allowed = np.full((1, 1, mask_words(V)), -1, np.int32)
+            if constraint is not None:
+                constraint.mask(allowed[0, 0])
+            flags = [np.asarray([x], dt) for x, dt in ((req.presence_penalty, np.float32),
+                     (req.frequency_penalty, np.float32), (req.penalized, bool))]  # fmt: skip
+            rules1 = LogitRules(
+                *flags, bias_V[None], np.zeros((1, V), np.int32), allowed, np.asarray([constraint is not None]),
+                np.zeros((1, 0), np.int32),
             )  # fmt: skip
-            first = int(sample_jit(logits, sampling, seed, position, greedy_only=greedy, penalties=pen1)[0])
+            first = int(sample_jit(logits, sampling, seed, position, greedy_only=greedy, rules=rules1)[0])
             self.counts, self.bias = start_row(self.counts, self.bias, jnp.int32(b), jnp.int32(first), bias_V)
         else:
             first = int(sample_jit(logits, sampling, seed, position, greedy_only=greedy)[0])
@@ -456,6 +527,9 @@ class SlotEngine:
         self.seeds[b] = np.uint32(req.seed & 0xFFFFFFFF)
         self.presence[b], self.frequency[b] = req.presence_penalty, req.frequency_penalty
         self.penalized[b] = req.penalized
+        if self.rules:
+            self.constraints[b], self.constrained[b] = constraint, constraint is not None
+            self.structured["requests"] += constraint is not None
         self._device_params = {}
         self._t_admit = time.perf_counter()
         stops = gen.cfg.eos_token_ids if req.stop_token_ids is None else req.stop_token_ids
@@ -559,6 +633,8 @@ class SlotEngine:
         flush = self.speculative and self.gen.needs_flush(self.state, R, lazy=self._lazy(R))
         flush = flush or self._resync_row(R) is not None
         launch_next = None
+        # A row with a grammar needs its state after the unread tokens for the next step's mask.
+        flush = flush or bool(self.constrained[:R].any())
         if not following.depth and wants.any() and launched.R == R and not flush:
             fresh = wants & ~valid
             host = self.state.root[:R] if self.speculative else self.pending[:R]
@@ -632,7 +708,7 @@ class SlotEngine:
         if self.speculative:
             launched, self.cache, self.dcache = gen.launch_plain(
                 self.cache, self.dcache, self.state, seeds, sampling, greedy_only, live_R, root, self._lazy(R),
-                penalties=self._penalties(R),
+                rules=self._plain_rules(live_R),
             )  # fmt: skip
             launched.ids = ids
         else:
@@ -649,7 +725,7 @@ class SlotEngine:
                 greedy_only=greedy_only,
                 window=gen.window(int(positions[live_R].max()) + 1),
                 logprobs=self.logprobs,
-                penalties=self._penalties(R),
+                rules=self._plain_rules(live_R),
             )
             positions += live_R.astype(np.int32)  # in place: the first R of self.positions
             launched = Launched(next_R, np.array(live_R, bool), t0, ids=ids, logprobs=lp[0] if lp else None)
@@ -690,9 +766,12 @@ class SlotEngine:
         greedy_only = greedy_graph(self.temperature[live])
         tokens, count, k, self.cache, self.dcache = self.gen.run_step(
             self.cache, self.dcache, self.state, seeds, sampling, greedy_only=greedy_only, live=live[:R], tree=tree,
-            penalties=self._penalties(R),
+            rules=self._tree_rules(live[:R], tree),
         )  # fmt: skip
         self._count(tokens, count, live[:R])
+        grammar_rows = self._grammar_rows(live[:R])
+        self.structured["target_forwards"] += len(grammar_rows)
+        self.structured["emitted"] += int(count[grammar_rows].sum())
         # The policy learns the acceptance of synced rows only: the others drafted from a stale context.
         self._record(R, k, time.perf_counter(), count[live[:R] & self.state.synced[:R]], learn=record)
         self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
@@ -756,7 +835,7 @@ class SlotEngine:
 
         for rows in self.row_buckets:  # the root merge of an overlapped plain step (admissions since its launch)
             merge_roots(*(jnp.zeros(rows, dt) for dt in (bool, np.int32, np.int32)))
-            for P in sorted({1, gen.K + 1} if self.speculative else {1}) if self.penalties else ():
+            for P in sorted({1, gen.K + 1} if self.speculative else {1}) if self.rules else ():
                 self.counts = count_tokens(self.counts, jnp.zeros((rows, P), jnp.int32), np.zeros(rows, np.int32))
         for task in tasks:
             if isinstance(task, Admit):
@@ -787,8 +866,9 @@ class SlotEngine:
         if self.speculative:
             gen.spec = SpecStats(accepted_per_position=[0] * gen.K)
         twin = SlotEngine(
-            gen, self.B, load_k=self._load_k, adaptive=self._adaptive, logprobs=self.logprobs, penalties=self.penalties
-        )
+            gen, self.B, load_k=self._load_k, adaptive=self._adaptive, logprobs=self.logprobs, grammars=self.grammars,
+            rules=self.rules,
+        )  # fmt: skip
         twin.overlap, twin.compiling = self.overlap, self.compiling
         return twin
 

@@ -110,7 +110,7 @@ class SpeculativeGenerator(Generator):
         self.policy = adaptive_policy(tree) if adaptive else None
 
     def _fused(
-        self, cache, dcache, ctx, root, q, seeds, sampling, tree: Tree, window: int, greedy_only: bool, penalties=None
+        self, cache, dcache, ctx, root, q, seeds, sampling, tree: Tree, window: int, greedy_only: bool, rules=None
     ):
         """:func:`fused_step` (draft and verify in one graph) with ``ctx`` = (tokens, aux, count, start) of the
         queued draft context. Returns (verify output, cache, dcache)."""
@@ -119,7 +119,7 @@ class SpeculativeGenerator(Generator):
             self.params, cache, self.dparams, dcache, jnp.asarray(tokens), aux, jnp.asarray(count),
             jnp.asarray(start), self.mask_g, self.embed, jnp.asarray(root), jnp.asarray(q), seeds, sampling,
             cfg=self.cfg, dcfg=self.dcfg, tree=tree, sequential=self.sequential, draft_window=window, window=window,
-            greedy_only=greedy_only, logprobs=self.logprobs, penalties=penalties,
+            greedy_only=greedy_only, logprobs=self.logprobs, rules=rules,
         )  # fmt: skip
 
     def _draft_window(self, start) -> int:
@@ -175,9 +175,7 @@ class SpeculativeGenerator(Generator):
         logits, cache = self.prefill(prompts, batch, on_chunk=seed_drafter, on_logprobs=on_logprobs)
         return logits, cache, dcache, last_aux[0]
 
-    def step(
-        self, cache, dcache, state: SpecState, seeds, sampling, *, greedy_only: bool, live, tree=None, penalties=None
-    ):
+    def step(self, cache, dcache, state: SpecState, seeds, sampling, *, greedy_only: bool, live, tree=None, rules=None):
         """One draft -> verify step over every row (``live`` [B] bool: rows whose results count; the others
         idle in place). Returns (tokens [B, K+1] host, count [B] host, aux [B, P, X], cache, dcache) and
         adds the live rows to :attr:`spec`; :meth:`SpecState.advance` then moves the rows on.
@@ -185,8 +183,10 @@ class SpeculativeGenerator(Generator):
         ``tree`` (default the generator's) may be a smaller tree of depth K' <= K and no more nodes, e.g. a
         shorter chain under load: it drafts K' tokens over the same K + 1 context slots and verifies them;
         its tokens are padded to K + 1 columns (a count never exceeds K' + 1, so the padding is never read),
-        its aux states are K' + 1. A plain step (``chain(0)``) goes through :meth:`run_step`. ``penalties``:
-        :class:`peagle_jax.penalties.Penalties` of the rows (None: none).
+        its aux states are K' + 1. A plain step (``chain(0)``) goes through :meth:`run_step`. ``rules``:
+        :class:`peagle_jax.logit_rules.LogitRules` of the rows (None: none), or a function of the drafted
+        candidates [B, K', N] (host) that returns them (a grammar's masks depend on the drafted paths): the
+        step then reads the draft before it launches the verify, and is not fused.
         """
         tree = tree or self.tree
         if tree.depth > self.K or tree.size > self.tree.size or not tree.depth:
@@ -195,19 +195,22 @@ class SpeculativeGenerator(Generator):
         window = self.verify_window(state.q[live], tree)
         C = self.K + 1  # the draft reads the first C of the Q queued slots (run_step flushed any beyond)
         ctx_tokens, ctx_aux = state.ctx_tokens[:, :C], state.ctx_aux  # the graphs read the first C aux slots
-        if self.fused:
+        after_draft = rules if callable(rules) else None
+        if self.fused and after_draft is None:
             # One window for both halves (the larger: a wider window is always safe), so the fused graphs
             # are one per window bucket, not one per (draft window, verify window) pair.
             window = max(window, self._draft_window(state.ctx_start))
             ctx = (ctx_tokens, ctx_aux, state.ctx_count, state.ctx_start)
             out, cache, dcache = self._fused(
-                cache, dcache, ctx, state.root, state.q, seeds, sampling, tree, window, greedy_only, penalties
+                cache, dcache, ctx, state.root, state.q, seeds, sampling, tree, window, greedy_only, rules
             )
             t1 = t0  # one launch: its whole time is counted as verify
         else:
             draft, dcache = self._draft(dcache, ctx_tokens, ctx_aux, state.ctx_count, state.ctx_start, tree)
             if self.time_draft:
                 jax.block_until_ready(draft.tokens)
+            if after_draft is not None:
+                rules = after_draft(np.asarray(draft.tokens))
             t1 = time.perf_counter() if self.time_draft else t0
             out, cache = verify(
                 self.params,
@@ -222,7 +225,7 @@ class SpeculativeGenerator(Generator):
                 window=window,
                 greedy_only=greedy_only,
                 logprobs=self.logprobs,
-                penalties=penalties,
+                rules=rules,
             )
         tokens, count, aux = np.asarray(out.tokens), np.asarray(out.count), out.aux
         if tree.depth < self.K:
@@ -245,7 +248,7 @@ class SpeculativeGenerator(Generator):
         return self.window(int(np.max(q_live, initial=0)) + tree.size + 1)
 
     def run_step(
-        self, cache, dcache, state: SpecState, seeds, sampling, *, greedy_only: bool, live, tree=None, penalties=None
+        self, cache, dcache, state: SpecState, seeds, sampling, *, greedy_only: bool, live, tree=None, rules=None
     ):
         """One step of ``tree`` (default the generator's) over the first R = ``len(live)`` rows of ``state``
         (which may hold more), committed into ``state`` for the live rows: a plain step for a tree of depth 0
@@ -256,19 +259,17 @@ class SpeculativeGenerator(Generator):
             dcache = self.make_room(dcache, state, R, full=self.K + 2)  # a draft reads at most K + 1 queued
             tokens, count, aux, cache, dcache = self.step(
                 cache, dcache, state.rows(R), seeds, sampling, greedy_only=greedy_only, live=live, tree=tree,
-                penalties=penalties,
+                rules=rules,
             )  # fmt: skip
             state.advance(tokens, count, aux, live)
         else:
-            tokens, count, cache, dcache = self._plain(
-                cache, dcache, state, seeds, sampling, greedy_only, live, penalties
-            )
+            tokens, count, cache, dcache = self._plain(cache, dcache, state, seeds, sampling, greedy_only, live, rules)
         return tokens, count, tree.depth, cache, dcache
 
-    def _plain(self, cache, dcache, state: SpecState, seeds, sampling, greedy_only: bool, live, penalties=None):
+    def _plain(self, cache, dcache, state: SpecState, seeds, sampling, greedy_only: bool, live, rules=None):
         """A plain step of :meth:`run_step`: one token per row, the drafter's context kept current."""
         launched, cache, dcache = self.launch_plain(
-            cache, dcache, state, seeds, sampling, greedy_only, live, penalties=penalties
+            cache, dcache, state, seeds, sampling, greedy_only, live, rules=rules
         )
         next_R = np.asarray(launched.tokens)
         state.commit_plain(next_R, launched.at, live)
@@ -293,7 +294,7 @@ class SpeculativeGenerator(Generator):
         live,
         root=None,
         lazy=False,
-        penalties=None,
+        rules=None,
     ) -> tuple[Launched, object, object]:
         """Launch a plain step over the first R = ``len(live)`` rows without waiting for it
         (:meth:`SpecState.advance_plain`). ``root`` [R] (on the device): the roots to decode, e.g. the unread
@@ -316,7 +317,7 @@ class SpeculativeGenerator(Generator):
             window=self.window(int(state.q[:R][live].max(initial=0)) + 1),
             greedy_only=greedy_only,
             logprobs=self.logprobs,
-            penalties=penalties,
+            rules=rules,
         )
         at = state.advance_plain(live)
         self.stats.decode_steps += 1
@@ -535,7 +536,7 @@ class SpeculativeGenerator(Generator):
                 if not tree.depth:  # a plain step (its context queue flushes below)
                     out, cache, aux, *_ = plain_step(
                         self.params, cache, aux, root, q, jnp.asarray(count), live, seeds, sampling, cfg=self.cfg,
-                        window=w, greedy_only=greedy_only, logprobs=self.logprobs, penalties=None,
+                        window=w, greedy_only=greedy_only, logprobs=self.logprobs, rules=None,
                     )  # fmt: skip
                 elif self.fused:
                     ctx = (tokens, aux, count, start)
@@ -544,7 +545,7 @@ class SpeculativeGenerator(Generator):
                     drafts = jnp.zeros((B, tree.depth, tree.width), jnp.int32)
                     out, cache = verify(
                         self.params, cache, root, drafts, q, seeds, sampling, cfg=self.cfg, tree=tree, window=w,
-                        greedy_only=greedy_only, logprobs=self.logprobs, penalties=None,
+                        greedy_only=greedy_only, logprobs=self.logprobs, rules=None,
                     )  # fmt: skip
             for w in draft_windows if tree.depth and not self.fused else []:
                 start = np.full(B, max(w - 2 * K - 1, 0), np.int32)

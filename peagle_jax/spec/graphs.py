@@ -51,10 +51,10 @@ def fused_step(
     window,
     greedy_only,
     logprobs=False,
-    penalties=None,
+    rules=None,
 ):
     """Draft and verify in one graph (one device launch per step): the two jitted functions inline.
-    ``logprobs`` (static): the verify's output carries the emitted tokens' log-probabilities; ``penalties``:
+    ``logprobs`` (static): the verify's output carries the emitted tokens' log-probabilities; ``rules``:
     the verify's."""
     kw = dict(cfg=dcfg, K=tree.depth, top_n=tree.width, window=draft_window)
     if sequential:
@@ -74,7 +74,7 @@ def fused_step(
         window=window,
         greedy_only=greedy_only,
         logprobs=logprobs,
-        penalties=penalties,
+        rules=rules,
     )
     return out, cache, dcache
 
@@ -111,17 +111,17 @@ def plain_step(
     window,
     greedy_only,
     logprobs=False,
-    penalties=None,
+    rules=None,
 ):
     """A plain step inside speculative decoding, in one graph: the target decodes each row's root (the verify
     of ``chain(0)``) and the root's aux state joins the row's pending draft context at slot ``at`` (live rows
     of the first R; ``ctx_aux`` holds B >= R rows). Returns (next token [R], cache, ctx_aux), and with
     ``logprobs`` (static) the next tokens' :class:`~peagle_jax.logprobs.TokenLogprobs` [R, 1] last.
-    ``penalties``: :class:`peagle_jax.penalties.Penalties` of the rows (None: none)."""
+    ``rules``: :class:`peagle_jax.logit_rules.LogitRules` of the rows (None: none)."""
     none_R01 = jnp.zeros((root_R.shape[0], 0, 1), jnp.int32)
     out, cache = verify(
         params, cache, root_R, none_R01, q_R, seeds_R, sampling, cfg=cfg, tree=chain(0), window=window,
-        greedy_only=greedy_only, logprobs=logprobs, penalties=penalties,
+        greedy_only=greedy_only, logprobs=logprobs, rules=rules,
     )  # fmt: skip
     ctx_aux = _write_context(ctx_aux, out.aux, at_R, live_R)
     if not logprobs:

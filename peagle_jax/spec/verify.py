@@ -5,7 +5,7 @@ Acceptance, one rule for greedy and sampling, chains and trees. At every node n 
 committed token) the target picks y(n): its argmax for a greedy row, or a Gumbel-max draw from the processed
 distribution (temperature -> top-k -> top-p, :func:`peagle_jax.sampling.processed_logits`) with the uniforms
 of the position being generated; presence/frequency penalties and a logit bias adjust the logits first, each
-node's by the tokens of its own path (:func:`peagle_jax.penalties.tree_logits`). A child is accepted when its
+node's by the tokens of its own path (:func:`peagle_jax.logit_rules.tree_logits`). A child is accepted when its
 token equals y(parent) and its parent was accepted; the deepest accepted node wins and y there is the bonus
 token. Along the realised path each emitted token is y of its parent, drawn from the target's distribution at
 that prefix with the same uniforms plain sampling would use, so the output equals plain decoding token for
@@ -25,11 +25,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from peagle_jax.logit_rules import LogitRules, node_tokens, tree_logits
 from peagle_jax.logprobs import TokenLogprobs, token_logprobs
 from peagle_jax.models import model
 from peagle_jax.models.config import ModelConfig
 from peagle_jax.ops import argmax_first
-from peagle_jax.penalties import Penalties, tree_logits
 from peagle_jax.sampling import SamplingParams, greedy_or_sampled, processed_logits, uniforms
 from peagle_jax.spec.tree import Tree, chain, parse_tree  # noqa: F401  (re-exported: the trees a verify takes)
 
@@ -94,7 +94,7 @@ def verify(
     window: int,
     greedy_only: bool,
     logprobs: bool = False,
-    penalties: Penalties | None = None,
+    rules: LogitRules | None = None,
 ):
     """Verify one static tree of drafts per row against the target, in one forward pass.
 
@@ -105,21 +105,23 @@ def verify(
     path. Returns ``(VerifyOut, cache)``; the row's next root is ``tokens[count-1]`` at ``q + count``. With
     ``logprobs`` (static), ``VerifyOut.logprobs`` holds the emitted tokens' log-probabilities: emitted token k
     is drawn from the logits at the path's node of depth k, the same prefix plain decoding sees.
-    ``penalties`` (:mod:`peagle_jax.penalties`) adjust each node's logits by the counts of its own path.
+    ``rules`` (:mod:`peagle_jax.logit_rules`) adjust each node's logits by its own path: its counts and its
+    grammar state.
     """
     K, T = tree.depth, tree.size + 1
     depths = jnp.asarray((0, *tree.depths), jnp.int32)
     if tree.size:  # the tree's nodes: [B, T - 1]
-        node_tokens = draft_tokens[:, jnp.asarray(tree.depths) - 1, jnp.asarray(tree.ranks)]
+        nodes = draft_tokens[:, jnp.asarray(tree.depths) - 1, jnp.asarray(tree.ranks)]
     else:  # chain(0): the root alone, i.e. a plain decode step that also returns the root's aux state
-        node_tokens = jnp.zeros((root_B.shape[0], 0), jnp.int32)
-    tokens_BT = jnp.concatenate([root_B[:, None], node_tokens], axis=1).astype(jnp.int32)
+        nodes = jnp.zeros((root_B.shape[0], 0), jnp.int32)
+    nodes = node_tokens(nodes.astype(jnp.int32), rules)
+    tokens_BT = jnp.concatenate([root_B[:, None], nodes], axis=1).astype(jnp.int32)
     positions_BT = q_B[:, None] + depths[None, :]
     mask_BTT = jnp.broadcast_to(jnp.asarray(tree.mask()), (q_B.shape[0], T, T))
     out, cache = model.forward(
         params, cache, tokens_BT, q_B, cfg=cfg, mask_BTT=mask_BTT, positions_BT=positions_BT, window=window
     )
-    logits_BTV = tree_logits(out.logits, tokens_BT, tree, penalties)
+    logits_BTV = tree_logits(out.logits, tokens_BT, tree, rules)
     y_BT = _node_choices(logits_BTV, sampling, seeds_B, positions_BT + 1, greedy_only)
     # Accepted: token equals y(parent) and the parent is accepted; parents precede children.
     parents = (0, *tree.parents)
