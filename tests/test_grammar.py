@@ -24,6 +24,8 @@ from peagle_jax.spec import verify as V
 from peagle_jax.spec.generator import SpeculativeGenerator
 
 MAX_SEQ = 192
+REGEX = r"[0-9]{3}-[a-f]+"
+CHOICES = ["yes", "no", "maybe"]
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -55,8 +57,8 @@ def _requests(grammars):
     return [
         dict(prompt=_encode("json please"), max_new_tokens=120, grammar=g("json_schema", SCHEMA)),
         dict(prompt=_encode("free"), max_new_tokens=20),
-        dict(prompt=_encode("code: "), max_new_tokens=30, temperature=0.9, seed=3, grammar=g("regex", r"[0-9]{3}-[a-f]+")),
-        dict(prompt=_encode("pick"), max_new_tokens=12, temperature=1.1, seed=8, grammar=g("choice", ["yes", "no", "maybe"])),
+        dict(prompt=_encode("code: "), max_new_tokens=30, temperature=0.9, seed=3, grammar=g("regex", REGEX)),
+        dict(prompt=_encode("pick"), max_new_tokens=12, temperature=1.1, seed=8, grammar=g("choice", CHOICES)),
         dict(prompt=_encode("any json"), max_new_tokens=60, temperature=0.8, seed=1, grammar=g("json_object", None)),
         dict(prompt=_encode("again"), max_new_tokens=120, temperature=0.7, seed=5, grammar=g("json_schema", SCHEMA),
              presence_penalty=0.5),
@@ -94,9 +96,9 @@ def _check_matches(requests, outs, finishes):
         if kind == "schema":
             jsonschema.validate(json.loads(text), SCHEMA)
         elif kind == "regex":
-            assert re.fullmatch(r"[0-9]{3}-[a-f]+", text), text
+            assert re.fullmatch(REGEX, text), text
         elif kind == "choice":
-            assert text in ("yes", "no", "maybe"), text
+            assert text in CHOICES, text
         else:
             assert isinstance(json.loads(text), dict)
     return ended
