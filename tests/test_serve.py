@@ -445,6 +445,7 @@ def _request_bodies():
         "presence_penalty": st.floats(-2, 2),
         "frequency_penalty": st.floats(-2, 2),
         "logit_bias": st.dictionaries(st.integers(0, 127).map(str), st.floats(-100, 100), max_size=3),
+        "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
     }
     invalid = {
         "model": st.one_of(st.just("other"), st.integers()),
@@ -460,6 +461,7 @@ def _request_bodies():
         "messages": st.one_of(st.just([]), st.just([{"role": "robot", "content": "x"}]), st.just([{"role": "user"}])),
         "logit_bias": st.one_of(st.just({"5": 101.0}), st.just({"x": 1.0}), st.just({"128": 1.0})),
         "presence_penalty": st.one_of(st.floats(min_value=2.01), st.floats(max_value=-2.01)),
+        "response_format": st.one_of(st.just({"type": "json"}), st.just({"type": "json_schema", "json_schema": 1})),
     }
     prompt = st.one_of(text.filter(bool), st.lists(st.integers(0, 127), min_size=1, max_size=8))
     message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]), "content": text})

@@ -16,6 +16,7 @@ from peagle_jax.serve.protocol import (
     CompletionRequest,
     logprobs_wanted,
     parse,
+    structured,
 )
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
@@ -53,7 +54,11 @@ def test_chat_parameters_not_implemented_are_refused_by_name_unless_neutral(name
             {**CHAT, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
             "stream_options.continuous_usage_stats",
         ),
-        ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+        ({**CHAT, "response_format": {"type": "yaml"}}, "response_format"),
+        ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": []}}}, "response_format"),
+        ({**COMPLETION, "structured_outputs": {"grammar": "start: x"}}, "structured_outputs"),
+        ({**COMPLETION, "structured_outputs": {"choice": "abc"}}, "structured_outputs"),
+        ({**COMPLETION, "guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
         ({**CHAT, "logit_bias": {"five": 1.0}}, "logit_bias"),
         ({**CHAT, "logit_bias": {"5": 100.5}}, "logit_bias"),
         ({**COMPLETION, "presence_penalty": 2.5}, "presence_penalty"),
@@ -96,3 +101,28 @@ def test_stop_strings_beyond_the_openai_four_are_accepted_up_to_max_stop():
     with pytest.raises(APIError) as err:
         _parse(CompletionRequest, {**COMPLETION, "stop": [str(i) for i in range(MAX_STOP + 1)]})
     assert (err.value.status, err.value.param) == (400, "stop")
+
+
+@pytest.mark.parametrize(
+    "extra, want",
+    [
+        ({}, None),
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, ("json_object", None)),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}},
+            ("json_schema", {"type": "integer"}),
+        ),
+        ({"structured_outputs": {"json": '{"type": "string"}'}}, ("json_schema", {"type": "string"})),
+        ({"structured_outputs": {"regex": "a+"}}, ("regex", "a+")),
+        ({"structured_outputs": {"choice": ["a", "b"]}}, ("choice", ["a", "b"])),
+        ({"structured_outputs": {"json_object": True}}, ("json_object", None)),
+        ({"guided_json": {"type": "boolean"}}, ("json_schema", {"type": "boolean"})),
+        ({"guided_regex": "[0-9]"}, ("regex", "[0-9]")),
+        ({"guided_choice": ["x"]}, ("choice", ["x"])),
+    ],
+)
+def test_structured_output_fields(extra, want):
+    """response_format (both endpoints), vLLM's structured_outputs and guided_* give one grammar spec."""
+    for schema, body in ((ChatRequest, CHAT), (CompletionRequest, COMPLETION)):
+        assert structured(_parse(schema, {**body, **extra})) == want

@@ -107,6 +107,85 @@ def test_penalties_and_logit_bias_under_speculation(server, dirs):
     assert e not in got[0] and got[1].count(e) > 2
 
 
+def test_structured_outputs_under_speculation(server, dirs):
+    """response_format (json_schema, json_object), structured_outputs (regex) and guided_choice through the
+    speculative server, concurrent with a free request: the tokens equal constrained plain decoding (an
+    in-process plain slot engine with the same grammars), finished answers match their grammars, /metrics
+    counts the structured requests and their acceptance; bad grammars are a 400 naming the field."""
+    import re
+
+    from serve_fixtures import char_tokenizer
+
+    from peagle_jax.checkpoint import load_target_any
+    from peagle_jax.engine.generator import Generator
+    from peagle_jax.grammar import Grammars
+    from peagle_jax.serve.slots import SlotEngine, SlotRequest
+
+    props = {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "s": {"type": "string", "maxLength": 3}}
+    schema = {"type": "object", "properties": props, "required": ["n", "s"], "additionalProperties": False}
+    cases = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}, 0.0,
+         ("json_schema", schema)),
+        ({"structured_outputs": {"regex": "[0-9]{2}-[a-c]+"}}, 0.8, ("regex", "[0-9]{2}-[a-c]+")),
+        ({"guided_choice": ["red", "green"]}, 0.9, ("choice", ["red", "green"])),
+        ({"response_format": {"type": "json_object"}}, 0.0, ("json_object", None)),
+        ({}, 0.7, None),
+    ]  # fmt: skip
+    tok = char_tokenizer()
+    before = parse_metrics(http(server.base, "GET", "/metrics")[2].decode())
+
+    def one(i):
+        extra, temperature, _ = cases[i]
+        body = {"model": "tiny-spec", "prompt": tok.encode(f"ask {i}"), "max_tokens": 48, "temperature": temperature}
+        status, _, raw = http(server.base, "POST", "/v1/completions", json.dumps({**body, "seed": i, **extra,
+                                                                               "return_token_ids": True}))  # fmt: skip
+        assert status == 200, raw
+        choice = json.loads(raw)["choices"][0]
+        return choice["token_ids"], choice["finish_reason"], choice["text"]
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        got = list(pool.map(one, range(len(cases))))
+    cfg, params = load_target_any(dirs[0])
+    grammars = Grammars(tok, cfg.vocab_size, cfg.eos_token_ids)
+    engine = SlotEngine(Generator(cfg, params, max_seq_len=MAX_SEQ), 1, grammars=grammars)
+    for i, ((_, temperature, spec), (tokens, finish, text)) in enumerate(zip(cases, got, strict=True)):
+        grammar = None if spec is None else grammars.compile(*spec)
+        req = SlotRequest(
+            tok.encode(f"ask {i}"), 48, temperature, seed=i, stop_token_ids=cfg.eos_token_ids, grammar=grammar
+        )
+        events = [engine.admit(req)]
+        while engine.active:
+            events += engine.step()
+        assert tokens == [t for ev in events for t in ev.tokens], i
+        if spec is not None and finish == "stop":
+            if spec[0] == "json_schema":
+                value = json.loads(text)
+                assert set(value) == {"n", "s"} and 0 <= value["n"] <= 99 and len(value["s"]) <= 3
+            elif spec[0] == "regex":
+                assert re.fullmatch(spec[1], text), text
+            elif spec[0] == "choice":
+                assert text in spec[1]
+            else:
+                assert isinstance(json.loads(text), dict)
+    assert sum(finish == "stop" for _, finish, _ in got[:3]) >= 2
+    m = parse_metrics(http(server.base, "GET", "/metrics")[2].decode())
+    assert m["peagle_structured_requests_total"] == before["peagle_structured_requests_total"] + 4
+    assert m["peagle_structured_target_forwards_total"] > before["peagle_structured_target_forwards_total"]
+    assert 1.0 <= m["peagle_structured_acceptance_length"] <= K + 1
+    for bad, param in [
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}, "response_format"),
+        ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
+        ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+    ]:
+        status, _, raw = http(
+            server.base, "POST", "/v1/completions", json.dumps({"model": "tiny-spec", "prompt": "x", **bad})
+        )
+        error = json.loads(raw)["error"]
+        assert status == 400 and error["param"] == param and param in error["message"], raw
+    assert one(4)[0] == got[4][0]  # still serving, the same answer
+
+
 def test_logprobs_under_speculation(server, dirs):
     """The speculative server's log-probabilities are the plain target's (every emitted token)."""
     check_logprobs(server.base, "tiny-spec", dirs[0])

@@ -344,6 +344,7 @@ def serve(args, engine, tokenizer, stops, name, sock: socket.socket | None = Non
     metrics.max_slots = engine.B
     metrics.spec_stats = engine.gen.spec if engine.speculative else None
     metrics.steps_by_k = engine.steps_by_k if engine.speculative else None
+    metrics.structured = engine.structured if engine.grammars is not None else None
     if engine.speculative:
         metrics.lazy_drafter = lambda: (engine.unsynced_admits, engine.resyncs)
     if engine.policy is not None:

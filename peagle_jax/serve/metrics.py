@@ -35,6 +35,9 @@ class Metrics:
         self.spec_stats = None  # a SpecStats, when serving with a drafter
         self.steps_by_k: dict[int, int] | None = None  # speculative steps at each K (the engine's dict)
         self.lazy_drafter: Callable[[], tuple[int, int]] | None = None  # (unsynced admissions, re-seeds)
+        # Requests with a grammar (structured outputs) and their rows' target forwards and emitted tokens: the
+        # engine's dict {"requests", "target_forwards", "emitted"}.
+        self.structured: dict[str, int] | None = None
         # The --load-k auto policy's step times: () -> {(busy-row bucket, K'): seconds}.
         self.policy_step_s: Callable[[], dict[tuple[int, int], float]] | None = None
 
@@ -120,7 +123,28 @@ class Metrics:
             "Graphs found in the persistent compilation cache (hit) or compiled because they were not (miss).",
             [("", {"result": "hit"}, counts["hits"]), ("", {"result": "miss"}, counts["misses"])],
         )
+        if self.structured is not None:
+            family(
+                "structured_requests_total",
+                "counter",
+                "Requests (choices) admitted with a grammar: response_format, structured_outputs, guided_*.",
+                [("", {}, self.structured["requests"])],
+            )
         spec = self.spec_stats
+        if spec is not None and self.structured is not None:
+            done = self.structured["target_forwards"]
+            family(
+                "structured_target_forwards_total",
+                "counter",
+                "Verify passes x live rows with a grammar (included in target_forwards_total).",
+                [("", {}, done)],
+            )
+            family(
+                "structured_acceptance_length",
+                "gauge",
+                "Tokens emitted per target forward (1 + accepted drafts) of the rows with a grammar.",
+                [("", {}, f"{(self.structured['emitted'] / done if done else 0.0):.6f}")],
+            )
         if spec is not None:
             forwards = spec.target_forwards
             family(

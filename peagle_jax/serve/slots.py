@@ -852,6 +852,7 @@ class SlotEngine:
         if self.speculative:
             gen.spec.reset()  # in place: the server's /metrics reads this object
         self.steps_by_k.clear()
+        self.structured.update(dict.fromkeys(self.structured, 0))  # in place: /metrics reads this dict
         self.overlapped = self.resyncs = self.unsynced_admits = 0
         self.lazy = lazy
         self.reset()
