@@ -212,6 +212,7 @@ class SlotEngine:
         # allows before the verify (peagle_jax.grammar); outputs are the same either way.
         self.grammar_drafting = True
         self.structured = {"requests": 0, "target_forwards": 0, "emitted": 0}  # of the rows with a grammar
+        self.grammar_s = 0.0  # host seconds in grammar masks and grammar-aware drafting
         self._load_k, self._adaptive = tuple(load_k), adaptive
         self.speculative = isinstance(gen, SpeculativeGenerator)
         # The step keys whose graphs still compile in the background (see the module docstring): a drafting
@@ -381,9 +382,11 @@ class SlotEngine:
         rows = self._grammar_rows(live_R)
         if not len(rows):
             return self._rules(len(live_R))
+        t0 = time.perf_counter()
         allowed = np.full((len(live_R), 1, mask_words(self.gen.cfg.vocab_size)), -1, np.int32)
         for b in rows:
             self.constraints[b].mask(allowed[b, 0])
+        self.grammar_s += time.perf_counter() - t0
         return self._rules(len(live_R), 1, allowed, np.zeros((len(live_R), 0), np.int32))
 
     def _tree_rules(self, live_R, tree: Tree):
@@ -396,11 +399,13 @@ class SlotEngine:
             return self._rules(R, T)
 
         def after_draft(drafts_RKN):
+            t0 = time.perf_counter()
             allowed = np.full((R, T, mask_words(self.gen.cfg.vocab_size)), -1, np.int32)
             drafted = np.zeros((R, T - 1), np.int32)
             aware = self.grammar_drafting
             for b in rows:
                 drafted[b] = self.constraints[b].tree_masks(tree, drafts_RKN[b], allowed[b], aware=aware)
+            self.grammar_s += time.perf_counter() - t0
             return self._rules(R, T, allowed, drafted)
 
         return after_draft
