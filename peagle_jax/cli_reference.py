@@ -34,6 +34,7 @@ COMMANDS: list[tuple[str, str, str]] = [
             "attention",
             "decode",
             "draft",
+            "grammar",
             "linear",
             "load",
             "sampling",

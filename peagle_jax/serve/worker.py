@@ -64,6 +64,10 @@ class EngineWorker:
         self._deliver: dict[int, Deliver] = {}
         self._lock = threading.Lock()
         self._queued = 0  # submitted, not yet in a slot (inbox + waiting)
+        # The engine's free slots as the engine thread last saw them, updated under the lock together with
+        # _queued: an admission takes a slot and leaves the queue in one step for submit()'s check (reading
+        # engine.free itself, a request the engine thread was admitting counted as queued and in a slot).
+        self._free = engine.B
         self.ready = threading.Event()  # set once the graphs are compiled
         self.failed: str | None = None  # set if the warm-up itself failed
         self.user_error = False  # ... with a UserError (then the server exits with its message)
@@ -129,7 +133,7 @@ class EngineWorker:
         slots (requests the engine thread has not admitted yet take free slots first, so a burst of exactly
         slots + ``max_queue`` is accepted whole)."""
         with self._lock:
-            if self._queued - self.engine.free >= self.max_queue:
+            if self._queued - self._free >= self.max_queue:
                 raise QueueFull
             self._queued += 1
         self._inbox.put(("submit", req, deliver))
@@ -175,8 +179,11 @@ class EngineWorker:
                 self._admit(req, deliver)
                 with self._lock:  # counted as queued until it holds its slot (or failed): never neither
                     self._queued -= 1
+                    self._free = self.engine.free
             if self.engine.active:
                 self._step()
+            with self._lock:  # slots freed by the step or by cancellations
+                self._free = self.engine.free
 
     def _counter(self, phase: str, graphs: int):
         """A warm-up progress callback counting compiled graphs (the calibration's timed steps after them
