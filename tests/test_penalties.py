@@ -10,18 +10,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_serve_slots import CFG, DCFG, MAX_SEQ, REQUESTS, _reference, _scaled
+from test_serve_slots import CFG, DCFG, MAX_SEQ, REQUESTS, _reference, _scaled, warm_engine_parts
 
-from peagle_jax.drafter import draft as D
 from peagle_jax.drafter.model import init_drafter_params
-from peagle_jax.engine.generator import Generator, RequestError, decode_step, sample_jit
+from peagle_jax.engine.generator import Generator, RequestError, sample_jit
 from peagle_jax.logit_rules import LogitRules, count_tokens, start_row, step_logits, tree_logits
 from peagle_jax.models import model as M
 from peagle_jax.sampling import SamplingParams
-from peagle_jax.serve.slots import SlotEngine, SlotRequest, merge_roots, put_row
+from peagle_jax.serve.slots import SlotEngine, SlotRequest
 from peagle_jax.spec import verify as V
 from peagle_jax.spec.generator import SpeculativeGenerator
-from peagle_jax.spec.graphs import flush_context, fused_step, plain_step
 
 # Penalized and free rows, greedy and sampled; the bias bans EOS (5) in one and favours a token in another.
 PENALIZED = [
@@ -180,16 +178,7 @@ def test_bad_values_are_refused(models, bad, message):
 
 @pytest.mark.parametrize("speculative", [False, True])
 def test_no_compiles_after_warmup_with_penalties(models, speculative):
-    params, dparams = models
-    if speculative:
-        gen = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, max_seq_len=MAX_SEQ)
-        graphs = (M.prefill, sample_jit, put_row, V.verify, D.parallel_draft, D.drafter_prefill, fused_step)
-        graphs += (plain_step, flush_context, merge_roots)
-        load_k = [(3, 2), (4, 0)]
-    else:
-        gen = Generator(CFG, params, max_seq_len=MAX_SEQ)
-        graphs = (M.prefill, sample_jit, put_row, decode_step, merge_roots)
-        load_k = []
+    gen, graphs, load_k = warm_engine_parts(models, speculative)
     graphs += (count_tokens, start_row)
     engine = SlotEngine(gen, 4, load_k=load_k, rules=True, logprobs=True)
     engine.warmup()

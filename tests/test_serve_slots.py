@@ -495,17 +495,19 @@ def test_bad_requests_are_refused_and_leave_the_slots_alone(models):
 
 
 @pytest.mark.parametrize("speculative,logprobs", [(False, False), (True, False), (False, True), (True, True)])
-def test_no_compiles_after_warmup(models, speculative, logprobs):
+def warm_engine_parts(models, speculative):
+    """(generator, the jitted graphs its slot engine calls, load thresholds) for the no-compile tests."""
     params, dparams = models
     if speculative:
         gen = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, max_seq_len=MAX_SEQ)
         graphs = (M.prefill, sample_jit, put_row, V.verify, D.parallel_draft, D.drafter_prefill, fused_step)
-        graphs += (plain_step, flush_context, merge_roots)
-        load_k = [(3, 2), (4, 0)]
-    else:
-        gen = Generator(CFG, params, max_seq_len=MAX_SEQ)
-        graphs = (M.prefill, sample_jit, put_row, decode_step, merge_roots)
-        load_k = []
+        return gen, graphs + (plain_step, flush_context, merge_roots), [(3, 2), (4, 0)]
+    gen = Generator(CFG, params, max_seq_len=MAX_SEQ)
+    return gen, (M.prefill, sample_jit, put_row, decode_step, merge_roots), []
+
+
+def test_no_compiles_after_warmup(models, speculative, logprobs):
+    gen, graphs, load_k = warm_engine_parts(models, speculative)
     graphs += (first_logprobs,) if logprobs else ()
     engine = SlotEngine(gen, 4, load_k=load_k, logprobs=logprobs)
     assert engine.row_buckets == (1, 2, 4)

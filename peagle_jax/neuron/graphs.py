@@ -84,8 +84,8 @@ def _rules(B, V, T=1):
     """The server's per-row penalties, logit bias and grammar masks of T nodes (its engine passes them to every
     graph that samples)."""
     f32, flags = sds((B,), jnp.float32), sds((B,), jnp.bool_)
-    words = sds((B, T, mask_words(V)), jnp.int32)
-    return LogitRules(f32, f32, flags, sds((B, V), jnp.float32), sds((B, V), jnp.int32), words, flags)
+    words, drafted = sds((B, T, mask_words(V)), jnp.int32), sds((B, T - 1), jnp.int32)
+    return LogitRules(f32, f32, flags, sds((B, V), jnp.float32), sds((B, V), jnp.int32), words, flags, drafted)
 
 
 def _served(B, V, T=1) -> dict:
