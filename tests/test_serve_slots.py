@@ -494,7 +494,6 @@ def test_bad_requests_are_refused_and_leave_the_slots_alone(models):
         SlotEngine(engine.gen, 0)
 
 
-@pytest.mark.parametrize("speculative,logprobs", [(False, False), (True, False), (False, True), (True, True)])
 def warm_engine_parts(models, speculative):
     """(generator, the jitted graphs its slot engine calls, load thresholds) for the no-compile tests."""
     params, dparams = models
@@ -506,6 +505,7 @@ def warm_engine_parts(models, speculative):
     return gen, (M.prefill, sample_jit, put_row, decode_step, merge_roots), []
 
 
+@pytest.mark.parametrize("speculative,logprobs", [(False, False), (True, False), (False, True), (True, True)])
 def test_no_compiles_after_warmup(models, speculative, logprobs):
     gen, graphs, load_k = warm_engine_parts(models, speculative)
     graphs += (first_logprobs,) if logprobs else ()
