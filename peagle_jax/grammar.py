@@ -144,9 +144,10 @@ class Constraint:
         for i in range(1, T):
             p = parents[i]
             tok = int(drafts_KN[depths[i] - 1, ranks[i]])
+            siblings = taken.setdefault(p, set())
             if aware and valid[p]:
-                tok = self._best(out_TW[p], drafts_KN[depths[i] - 1], taken.setdefault(p, set()), tok)
-            taken.setdefault(p, set()).add(tok)
+                tok = self._best(out_TW[p], drafts_KN[depths[i] - 1], siblings, tok)
+            siblings.add(tok)
             tokens[i] = tok
             path = []
             j = i

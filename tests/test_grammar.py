@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import re
 
-import jax
-import numpy as np
 import pytest
 from serve_fixtures import EOS_ID, char_tokenizer, write_tiny_drafter, write_tiny_model
 
@@ -247,4 +245,4 @@ def test_no_compiles_after_warmup_with_grammars(setup):
     before = [g._cache_size() for g in graphs]
     _run(engine, _requests(grammars)[:4])
     assert [g._cache_size() for g in graphs] == before
-    assert jax.device_count() >= 1 and np.all(engine.constrained == False)  # noqa: E712  (every slot freed)
+    assert not engine.constrained.any()  # every slot freed
