@@ -101,7 +101,11 @@ def test_two_processes_equal_one_survive_a_kill_and_resume(tmp_path):
     waited = time.monotonic() - killed
     assert code != 0, _logs(two)
     assert waited < 60, f"the surviving process took {waited:.0f} s to stop"
-    assert "another task died" in _logs(two), _logs(two)
+    # JAX names the dead task one of two ways, depending on whether the survivor's error poll or its
+    # shutdown barrier sees the missed heartbeats first (the barrier's stack trace can push the first
+    # message out of the log's tail, so the whole log is read here)
+    survivor = (tmp_path / "two-0.log").read_text()
+    assert "another task died" in survivor or "Task 1 heartbeat timeout" in survivor, _logs(two)
     procs[1].wait()
     _run(two, 2, steps)
     assert "resumed from step" in _logs(two)
