@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from peagle_jax import executables
 from peagle_jax.errors import UserError
 from peagle_jax.platform import branching_allowed
 
@@ -155,7 +156,7 @@ def tree_logits(logits_BTV, tokens_BT, tree, rules: LogitRules | None):
     return _when_used(rules, apply, logits_BTV)
 
 
-@functools.partial(jax.jit, donate_argnames=("counts",))
+@functools.partial(executables.jit, donate_argnames=("counts",))
 def count_tokens(counts, tokens_RP, n_R):
     """``counts`` [B, V] with each of the first R rows' first ``n`` tokens of ``tokens_RP`` added."""
     R, P = tokens_RP.shape
@@ -163,7 +164,7 @@ def count_tokens(counts, tokens_RP, n_R):
     return counts.at[jnp.arange(R)[:, None], tokens_RP].add(add)
 
 
-@functools.partial(jax.jit, donate_argnames=("counts", "bias"))
+@functools.partial(executables.jit, donate_argnames=("counts", "bias"))
 def start_row(counts, bias, b, first, bias_V):
     """Row ``b`` (an int32 scalar) starts a request: its counts hold only its first token, its bias is
     ``bias_V``."""

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from peagle_jax import executables
 from peagle_jax.models import model
 
 TOP_LOGPROBS = 20  # the most an OpenAI request may ask for (top_logprobs, completions logprobs)
@@ -44,7 +45,7 @@ def token_logprobs(logits_BPV, tokens_BP) -> TokenLogprobs:
     return TokenLogprobs(chosen_BP, ids_BPZ.astype(jnp.int32), top_BPZ)
 
 
-first_logprobs = jax.jit(token_logprobs)  # of a prefill's first token: logits [B, 1, V], tokens [B, 1]
+first_logprobs = executables.jit(token_logprobs)  # of a prefill's first token: logits [B, 1, V], tokens [B, 1]
 
 
 def host_logprobs(lp: TokenLogprobs, P: int) -> TokenLogprobs:
@@ -61,7 +62,7 @@ def row_logprobs(lp: TokenLogprobs, b: int, n: int) -> list[tuple[float, list[tu
     ]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "window"), donate_argnames=("cache",))
+@functools.partial(executables.jit, static_argnames=("cfg", "window"), donate_argnames=("cache",))
 def prefill_logprobs(params, cache, tokens_BT, lengths_B, start_B, next_B, *, cfg, window=None):
     """:func:`peagle_jax.models.model.prefill` for an echo with log-probabilities: the same cache writes and
     the same last-token output, plus the log-probabilities of the prompt's tokens from the logits at every

@@ -10,6 +10,8 @@ Caches, so that a restart does not recompile (minutes per graph under neuronx-cc
 - JAX's persistent compilation cache (``jax_compilation_cache_dir``), default
   ``~/.cache/peagle_jax/jax-cache`` (:func:`default_cache_dir`), on every platform. jax-neuronx supports
   JAX's caching API (its 0.1.2 release notes), so on Neuron it holds the compiled NEFF executables.
+- Beside it, in its ``executables/`` folder, the decoding graphs' executables keyed by their arguments
+  (:mod:`peagle_jax.executables`): a restart loads them without tracing or lowering a graph.
 - The Neuron compiler's own cache: ``NEURON_COMPILE_CACHE_URL`` (read by libneuronxla), default
   ``~/.cache/peagle_jax/neuron-cache``, set only when the environment does not set it already; an existing
   ``NEURON_CC_FLAGS`` is left as it is, otherwise it gets ``--cache_dir`` pointing at the same directory.
@@ -37,6 +39,8 @@ INSTALL = {
 }
 # The folder of a model directory that holds its compiled graphs (JAX's persistent compilation cache).
 ARTIFACT_CACHE = "jax-cache"
+# The folder of the compilation cache that holds the decoding graphs' serialized executables.
+EXECUTABLES = "executables"
 # jax_platforms names: jax calls the CUDA backend "cuda"; the jax-neuronx plugin registers "neuron".
 JAX_NAME = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu", "neuron": "neuron"}
 
@@ -80,6 +84,8 @@ def configure_caches(compilation_cache: str | Path | None, platform: str) -> Non
     """JAX's persistent compilation cache (None disables it) and, on Neuron, the compiler's cache."""
     import jax
 
+    from peagle_jax import executables
+
     if compilation_cache is not None:
         path = Path(compilation_cache).expanduser()
         path.mkdir(parents=True, exist_ok=True)
@@ -87,6 +93,8 @@ def configure_caches(compilation_cache: str | Path | None, platform: str) -> Non
         # Every graph, however quick to compile (JAX's default keeps those over 1 s only): a restart then
         # compiles nothing, where it would recompile the small drafter and context graphs each time.
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    # the decoding graphs' executables beside it, found at a restart without tracing (peagle_jax.executables)
+    executables.configure(None if compilation_cache is None else path / EXECUTABLES)
     if platform == "neuron":
         neuron_cache = os.environ.setdefault("NEURON_COMPILE_CACHE_URL", str(default_neuron_cache_dir()))
         if "NEURON_CC_FLAGS" not in os.environ:

@@ -16,6 +16,9 @@ def _free_compiled_graphs():
     serving warm-up's budget check, peagle_jax.platform.MapBudget, rightly refuses to go on)."""
     yield
     jax.clear_caches()
+    from peagle_jax import executables
+
+    executables.clear()
 
 
 TINY = dict(hidden_size=64, intermediate_size=128, vocab_size=128, num_hidden_layers=4, head_dim=16)

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from peagle_jax import ops
+from peagle_jax import executables, ops
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.model import Drafter, DraftForwardOut
 from peagle_jax.models.cache import KVCache
@@ -47,7 +47,7 @@ def fuse_aux(params, aux_BTX, *, cfg: DrafterConfig):
     return Drafter(cfg).apply({"params": params}, aux_BTX, method=Drafter.fuse)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@functools.partial(executables.jit, static_argnames=("cfg",))
 def fused_mask_hidden(params, *, cfg: DrafterConfig):
     """``fc(mask_hidden)`` [D]: computed once when a parallel drafter is loaded, not per step."""
     return Drafter(cfg).apply({"params": params}, method=Drafter.fused_mask_hidden)
@@ -107,7 +107,7 @@ def _context_g(params, aux_BCX, count_B, cfg):
     return jnp.where(valid_BC[:, :, None], g_BCD, 0).astype(g_BCD.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "K", "top_n", "window"), donate_argnames=("cache",))
+@functools.partial(executables.jit, static_argnames=("cfg", "K", "top_n", "window"), donate_argnames=("cache",))
 def parallel_draft(
     params,
     cache,
@@ -152,7 +152,7 @@ def parallel_draft(
     return _top(params, out.logits, top_n, cfg), cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "K", "top_n", "window"), donate_argnames=("cache",))
+@functools.partial(executables.jit, static_argnames=("cfg", "K", "top_n", "window"), donate_argnames=("cache",))
 def sequential_draft(
     params,
     cache,
@@ -203,7 +203,7 @@ def sequential_draft(
     return _top(params, jnp.stack(depths, axis=1), top_n, cfg), cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "window"), donate_argnames=("cache",))
+@functools.partial(executables.jit, static_argnames=("cfg", "window"), donate_argnames=("cache",))
 def drafter_prefill(
     params, cache, tokens_BT, aux_BTX, start_B, embed_VD=None, *, cfg: DrafterConfig, window: int | None = None
 ):

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from peagle_jax import executables
 from peagle_jax.engine.buckets import BATCH_BUCKETS, ONE_ROW_PAD, PREFILL_BUCKETS, WINDOW_BUCKETS, bucket
 from peagle_jax.engine.overlap import Launched, launch_then_read
 from peagle_jax.errors import UserError
@@ -31,7 +32,9 @@ class RequestError(UserError):
     """A request that cannot be served as given (too long, empty, ...); the message says why."""
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "greedy_only", "window", "logprobs"), donate_argnames=("cache",))
+@functools.partial(
+    executables.jit, static_argnames=("cfg", "greedy_only", "window", "logprobs"), donate_argnames=("cache",)
+)
 def decode_step(
     params,
     cache,
@@ -56,7 +59,7 @@ def decode_step(
     return next_B, cache, token_logprobs(out.logits, next_B[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("greedy_only",))
+@functools.partial(executables.jit, static_argnames=("greedy_only",))
 def sample_jit(logits_BV, sampling, seeds_B, positions_B, *, greedy_only, rules=None):
     return sample(logits_BV, sampling, seeds_B, positions_B, greedy_only=greedy_only, rules=rules)
 

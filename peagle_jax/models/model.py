@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from peagle_jax import ops
+from peagle_jax import executables, ops
 from peagle_jax.models.cache import KVCache
 from peagle_jax.models.config import ModelConfig
 from peagle_jax.models.layers import AttentionSpec, DecoderLayer, Linear, RMSNorm
@@ -131,7 +131,7 @@ def forward(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "window"), donate_argnames=("cache",))
+@functools.partial(executables.jit, static_argnames=("cfg", "window"), donate_argnames=("cache",))
 def forward_jit(params, cache, tokens_BT, start_B, mask_BTT=None, positions_BT=None, *, cfg, window=None):
     """Jitted :func:`forward` returning logits at every new position (verification, tests)."""
     return forward(
@@ -139,7 +139,7 @@ def forward_jit(params, cache, tokens_BT, start_B, mask_BTT=None, positions_BT=N
     )
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "window"), donate_argnames=("cache",))
+@functools.partial(executables.jit, static_argnames=("cfg", "window"), donate_argnames=("cache",))
 def prefill(params, cache, tokens_BT, lengths_B, start_B, *, cfg, window=None):
     """Prefill a batch of prompts padded to one length bucket T (right padding).
 

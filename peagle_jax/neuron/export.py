@@ -29,6 +29,7 @@ from pathlib import Path
 import jax
 from jax import export
 
+from peagle_jax import executables
 from peagle_jax.neuron.graphs import Graph
 from peagle_jax.neuron.lint import Finding, lint_stablehlo
 from peagle_jax.platform import static_graphs
@@ -67,7 +68,7 @@ def export_graph(graph: Graph, platform: str) -> export.Exported:
     for every platform: the lint holds the TPU export to Neuron's rules too."""
     register_serialization()
     with static_graphs():
-        return export.export(graph.fn, platforms=[platform])(*graph.args, **graph.static)
+        return export.export(executables.jitted(graph.fn), platforms=[platform])(*graph.args, **graph.static)
 
 
 def hlo_proto(mlir_text: str) -> bytes:

@@ -299,6 +299,7 @@ def warmup_only(args, engine) -> int:
     already there, and exit 0."""
     from tqdm import tqdm
 
+    from peagle_jax import executables
     from peagle_jax.platform import compilation_cache_counts
 
     if args.compilation_cache is None:
@@ -311,10 +312,11 @@ def warmup_only(args, engine) -> int:
             bar.refresh()
 
         seconds = engine.warmup(progress, calibrate=False)
-    counts = compilation_cache_counts()
+    counts, stored = compilation_cache_counts(), executables.counts()
     print(
         f"compiled {counts['misses']} graphs into {args.compilation_cache} in {seconds:.1f} s "
-        f"({counts['hits']} were there already); serve with the same flags and this cache to compile none"
+        f"({counts['hits']} were there already; {stored['loaded']} executables loaded, {stored['compiled']} "
+        "stored); serve with the same flags and this cache to compile none"
     )
     return 0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from peagle_jax import executables
 from peagle_jax.platform import compilation_cache_counts
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -122,6 +123,14 @@ class Metrics:
             "counter",
             "Graphs found in the persistent compilation cache (hit) or compiled because they were not (miss).",
             [("", {"result": "hit"}, counts["hits"]), ("", {"result": "miss"}, counts["misses"])],
+        )
+        stored = executables.counts()
+        family(
+            "executables_total",
+            "counter",
+            "Executables of the decoding graphs loaded from the compilation cache's executable store without "
+            "tracing (store), or traced and compiled, then stored (compiled).",
+            [("", {"source": "store"}, stored["loaded"]), ("", {"source": "compiled"}, stored["compiled"])],
         )
         if self.structured is not None:
             family(

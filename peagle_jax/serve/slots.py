@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from peagle_jax import executables
 from peagle_jax.drafter.model import new_drafter_cache
 from peagle_jax.engine.generator import Generator, RequestError, StepStats, decode_step, sample_jit
 from peagle_jax.engine.overlap import Launched, launch_then_read
@@ -155,14 +156,14 @@ def first_tasks(tasks: Sequence[WarmTask], smallest_window: int) -> tuple[list[W
     return [t for t in tasks if first(t)], [t for t in tasks if not first(t)]
 
 
-@jax.jit
+@executables.jit
 def merge_roots(fresh_R, host_R, device_R):
     """The tokens a plain step feeds: the host's for the ``fresh`` rows (admitted since the last launch),
     else the previous step's unread output."""
     return jnp.where(fresh_R, host_R, device_R)
 
 
-@functools.partial(jax.jit, donate_argnames=("big",))
+@functools.partial(executables.jit, donate_argnames=("big",))
 def put_row(big, row, b):
     """Copy a 1-row pytree ``row`` into row ``b`` (an int32 scalar) of the B-row pytree ``big``. A row longer
     than ``big``'s on another axis is cut to it: a one-row cache has :data:`peagle_jax.engine.buckets.ONE_ROW_PAD`

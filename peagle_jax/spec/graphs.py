@@ -17,13 +17,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from peagle_jax import executables
 from peagle_jax.drafter.draft import drafter_prefill, parallel_draft, sequential_draft
 from peagle_jax.spec.tree import chain
 from peagle_jax.spec.verify import verify
 
 
 @functools.partial(
-    jax.jit,
+    executables.jit,
     static_argnames=("cfg", "dcfg", "tree", "sequential", "draft_window", "window", "greedy_only", "logprobs"),
     donate_argnames=("cache", "dcache"),
 )
@@ -90,11 +91,11 @@ def _write_context(ctx_aux_BQX, aux_RPX, at_R, live_R):
     return jax.lax.dynamic_update_slice_in_dim(ctx_aux_BQX, new_RQX, 0, axis=0)
 
 
-write_context = jax.jit(_write_context, donate_argnums=0)
+write_context = executables.jit(_write_context, donate_argnums=0)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "window", "greedy_only", "logprobs"), donate_argnames=("cache", "ctx_aux")
+    executables.jit, static_argnames=("cfg", "window", "greedy_only", "logprobs"), donate_argnames=("cache", "ctx_aux")
 )
 def plain_step(
     params,
@@ -129,7 +130,7 @@ def plain_step(
     return out.tokens[:, 0], cache, ctx_aux, out.logprobs
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "window"), donate_argnames=("dcache", "ctx_aux"))
+@functools.partial(executables.jit, static_argnames=("cfg", "window"), donate_argnames=("dcache", "ctx_aux"))
 def flush_context(dparams, dcache, ctx_tokens_RQ, ctx_aux, start_R, last_R, move_R, embed, *, cfg, window):
     """:meth:`SpeculativeGenerator.make_room` in one graph: the first R rows' Q queued context slots go into
     the drafter cache at slots ``start ..``, and in each ``move`` row the last pending element (slot ``last``)

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from peagle_jax import executables
 from peagle_jax.logit_rules import LogitRules, node_tokens, tree_logits
 from peagle_jax.logprobs import TokenLogprobs, token_logprobs
 from peagle_jax.models import model
@@ -78,7 +79,7 @@ def _compact(cache_BGSH, q_B, path_BK):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "tree", "window", "greedy_only", "logprobs"), donate_argnames=("cache",)
+    executables.jit, static_argnames=("cfg", "tree", "window", "greedy_only", "logprobs"), donate_argnames=("cache",)
 )
 def verify(
     params,
