@@ -5,9 +5,12 @@ or written costs a compile, never an error."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -165,31 +168,39 @@ def test_an_unreadable_or_unwritable_store_costs_a_compile(store, caplog):
     assert caplog.text.count("could not write") == 1 and executables.counts() == {"loaded": 0, "compiled": 1}
 
 
-def test_a_graph_in_jax_cache_is_compiled_afresh_for_the_store(store, tmp_path):
+AFRESH = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from peagle_jax import executables
+from peagle_jax.platform import select_platform
+
+select_platform("cpu", compilation_cache=sys.argv[1])
+
+
+def gather_matmul(table, idx):
+    return jnp.tanh(table[idx] @ table.T).sum(-1)
+
+
+table, idx = np.random.default_rng(0).random((64, 32), dtype=np.float32), np.array([3, 5, 7], np.int32)
+jax.jit(lambda v: v + 1)(1.0)  # JAX's cache in use before the stored graph compiles, as in a server
+fn = jax.jit(gather_matmul) if sys.argv[2] == "jit" else executables.jit(gather_matmul)
+print(json.dumps({"out": np.asarray(fn(table, idx)).tolist(), **executables.counts()}))
+"""
+
+
+def test_a_graph_in_jax_cache_is_compiled_afresh_for_the_store(tmp_path):
     """XLA:CPU serializes an executable that JAX's persistent cache loaded without all of its code: stored
-    and loaded again, it computed wrong values. The store compiles its graphs itself."""
-    from jax._src import compilation_cache
+    and loaded by the next process, it failed to run or computed wrong values. Three processes: plain
+    ``jax.jit`` fills JAX's cache, the store compiles the same graph (a cache hit, redone afresh) and stores
+    it, the last loads it."""
+    (tmp_path / "afresh.py").write_text(AFRESH)
 
-    def gather_matmul(table, idx):
-        return jnp.tanh(table[idx] @ table.T).sum(-1)
+    def run(kind):
+        cmd = [sys.executable, str(tmp_path / "afresh.py"), str(tmp_path / "cache"), kind]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": ""})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout.splitlines()[-1])
 
-    table = np.random.default_rng(0).random((64, 32), dtype=np.float32)
-    idx = np.array([3, 5, 7], np.int32)
-    before = {
-        k: jax.config.values[k] for k in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    }
-    compilation_cache.reset_cache()
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax-cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    try:
-        want = np.asarray(jax.jit(gather_matmul)(table, idx))  # into JAX's cache
-        jax.clear_caches()
-        stored = executables.jit(gather_matmul)
-        np.testing.assert_array_equal(stored(table, idx), want)
-        executables.clear()
-        np.testing.assert_array_equal(stored(table, idx), want)
-        assert executables.counts() == {"loaded": 1, "compiled": 0}
-    finally:
-        for k, v in before.items():
-            jax.config.update(k, v)
-        compilation_cache.reset_cache()
+    want = run("jit")["out"]
+    assert run("store") == {"out": want, "loaded": 0, "compiled": 1}
+    assert run("store") == {"out": want, "loaded": 1, "compiled": 0}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import faulthandler
 import logging
@@ -225,17 +226,20 @@ def load(args):
     from peagle_jax.loading import GeneratorOptions, build_generator, load_tokenizer, resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
-    tokenizer = load_tokenizer(model_dir)
-    opts = GeneratorOptions(
-        dtype=args.dtype,
-        max_seq_len=args.max_seq_len,
-        drafter=args.drafter,
-        k=args.k,
-        tree=args.tree,
-        sequential=args.sequential,
-        fused=args.fused,
-    )
-    gen = build_generator(opts, model_dir)
+    # The tokenizer (mostly importing transformers) loads on a thread while the weights load.
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
+        loading = pool.submit(load_tokenizer, model_dir)
+        opts = GeneratorOptions(
+            dtype=args.dtype,
+            max_seq_len=args.max_seq_len,
+            drafter=args.drafter,
+            k=args.k,
+            tree=args.tree,
+            sequential=args.sequential,
+            fused=args.fused,
+        )
+        gen = build_generator(opts, model_dir)
+        tokenizer = loading.result()
     stops = set(gen.cfg.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         stops.add(tokenizer.eos_token_id)
