@@ -27,6 +27,7 @@ cache beside it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import importlib.metadata
@@ -82,6 +83,8 @@ def clear() -> None:
     for entry in list(_entries):
         entry._compiled.clear()
     _counts.update(loaded=0, compiled=0)
+    stop_ahead()
+    _taken.clear()
 
 
 def fingerprint() -> str:
@@ -156,7 +159,11 @@ class StoredJit:
 
     def __init__(self, fun, *, static_argnames=(), **jit_kwargs):
         self.jitted = jax.jit(fun, static_argnames=static_argnames, **jit_kwargs)
-        self.name = f"{fun.__module__}.{fun.__qualname__}"
+        # The store files executables under this name: one function definition, one entry point (a second
+        # of the same code, e.g. a closure made in a loop, would read the first one's executables).
+        self.name = f"{fun.__module__}.{fun.__qualname__}:{fun.__code__.co_firstlineno}"
+        if any(e.name == self.name and e.__wrapped__.__code__ is fun.__code__ for e in list(_entries)):
+            raise ValueError(f"{self.name}: already an entry point of the executable store (one per definition)")
         self._static = frozenset((static_argnames,) if isinstance(static_argnames, str) else static_argnames)
         code = fun.__code__
         names = code.co_varnames[: code.co_argcount]
@@ -201,7 +208,7 @@ class StoredJit:
     def _path(self, key) -> Path:
         static, tree, signature = key
         text = repr((self.name, static, str(tree), signature))
-        stem = re.sub(r"\W", "_", self.name.rsplit(".", 1)[-1])
+        stem = re.sub(r"\W", "_", self.name.rsplit(".", 1)[-1].split(":")[0])
         return _folder() / f"{stem}-{hashlib.sha256(text.encode()).hexdigest()[:32]}.jexec"
 
     def _load_or_compile(self, key, args, kwargs):
@@ -212,7 +219,7 @@ class StoredJit:
             if compiled is not None:
                 return compiled
             path = self._path(key)
-            compiled = _load(path)
+            compiled = _take(path)
             if compiled is None:
                 compiled = _compile_afresh(self.jitted.lower(*args, **kwargs))
                 _save(path, compiled, self.name)
@@ -245,6 +252,54 @@ def _compile_afresh(lowered):
     if getattr(_local, "hits", 0) == before:
         return compiled
     return lowered.compile(compiler_options={"xla_debug_buffer_assignment_show_max": 1_000 + random.getrandbits(30)})
+
+
+_ahead: dict[Path, concurrent.futures.Future] = {}  # executables loaded ahead of their first call
+_taken: set[Path] = set()
+_stop_ahead = threading.Event()
+
+
+def load_ahead() -> None:
+    """Start loading the store's executables on a thread, oldest first (the order the process that wrote
+    them first called them: a server's first graphs first), until :func:`stop_ahead`. A server calls it
+    before it reads its weights and tokenizer, which leave the CPU half idle; XLA deserializes without
+    Python's lock. What a call then needs is there, or being loaded (the call waits for it)."""
+    if _store is None:
+        return
+    _stop_ahead.clear()
+    threading.Thread(target=_load_ahead, name="executables-ahead", daemon=True).start()
+
+
+def stop_ahead() -> None:
+    """Stop loading ahead and drop what no call took (it holds memory; a later call reads it again)."""
+    _stop_ahead.set()
+    with _lock:
+        _ahead.clear()
+
+
+def _load_ahead() -> None:
+    try:
+        paths = sorted(_folder().glob("*.jexec"), key=lambda p: p.stat().st_mtime)
+    except OSError:
+        return
+    for path in paths:
+        if _stop_ahead.is_set():
+            return
+        future = concurrent.futures.Future()
+        with _lock:
+            if path in _taken:
+                continue
+            _ahead[path] = future
+        future.set_result(_load(path))
+
+
+def _take(path: Path):
+    """The executable stored at ``path``: loaded ahead (waiting for it if it is being loaded), else read now;
+    None when there is none or it cannot be read."""
+    with _lock:
+        _taken.add(path)
+        future = _ahead.pop(path, None)
+    return _load(path) if future is None else future.result()
 
 
 def _load(path: Path):

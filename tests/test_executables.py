@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -204,3 +205,30 @@ def test_a_graph_in_jax_cache_is_compiled_afresh_for_the_store(tmp_path):
     want = run("jit")["out"]
     assert run("store") == {"out": want, "loaded": 0, "compiled": 1}
     assert run("store") == {"out": want, "loaded": 1, "compiled": 0}
+
+
+def test_loading_ahead_hands_calls_their_executables(store):
+    with pytest.raises(ValueError, match="one per definition"):  # they would share their files
+        [executables.jit(lambda v, k=k: v * k) for k in range(2)]
+    fns = [
+        executables.jit(lambda v: v * 0),
+        executables.jit(lambda v: v * 1),
+        executables.jit(lambda v: v * 2),
+        executables.jit(lambda v: v * 3),
+    ]  # fmt: skip
+    x = np.arange(3, dtype=np.float32)
+    for f in fns:
+        f(x)
+    executables.clear()
+    executables.load_ahead()
+    for _ in range(200):  # the thread loads the four files, oldest first
+        if len(executables._ahead) == 4 and all(f.done() for f in executables._ahead.values()):
+            break
+        time.sleep(0.05)
+    assert len(executables._ahead) == 4
+    np.testing.assert_array_equal(fns[2](x), x * 2)  # taken from what was loaded ahead
+    assert len(executables._ahead) == 3 and executables.counts() == {"loaded": 1, "compiled": 0}
+    executables.stop_ahead()  # the rest is dropped; a later call reads its file
+    assert not executables._ahead
+    np.testing.assert_array_equal(fns[3](x), x * 3)
+    assert executables.counts() == {"loaded": 2, "compiled": 0}

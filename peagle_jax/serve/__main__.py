@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import contextlib
 import faulthandler
 import logging
@@ -226,20 +225,17 @@ def load(args):
     from peagle_jax.loading import GeneratorOptions, build_generator, load_tokenizer, resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
-    # The tokenizer (mostly importing transformers) loads on a thread while the weights load.
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
-        loading = pool.submit(load_tokenizer, model_dir)
-        opts = GeneratorOptions(
-            dtype=args.dtype,
-            max_seq_len=args.max_seq_len,
-            drafter=args.drafter,
-            k=args.k,
-            tree=args.tree,
-            sequential=args.sequential,
-            fused=args.fused,
-        )
-        gen = build_generator(opts, model_dir)
-        tokenizer = loading.result()
+    tokenizer = load_tokenizer(model_dir)
+    opts = GeneratorOptions(
+        dtype=args.dtype,
+        max_seq_len=args.max_seq_len,
+        drafter=args.drafter,
+        k=args.k,
+        tree=args.tree,
+        sequential=args.sequential,
+        fused=args.fused,
+    )
+    gen = build_generator(opts, model_dir)
     stops = set(gen.cfg.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         stops.add(tokenizer.eos_token_id)
@@ -278,8 +274,14 @@ def main(argv=None) -> int:
             sock = listen_socket(args.host, args.port)  # a taken port is said at once, before anything loads
             args.port = sock.getsockname()[1]
         args.compilation_cache = select_platform(args.platform, args.compilation_cache, args.model)
-        gen, tokenizer, stops, name = load(args)
+        # Every module of the graphs is imported here, before the executables loaded ahead are unpickled on
+        # another thread (which imports their pytree classes' modules): two threads importing one package's
+        # circular imports (flax's) can each see the other's half-initialized module.
+        from peagle_jax import executables
         from peagle_jax.serve.slots import SlotEngine
+
+        executables.load_ahead()  # while the weights and tokenizer load; stopped when the server is ready
+        gen, tokenizer, stops, name = load(args)
 
         # Log-probabilities are computed in every step graph (one static flag, so a request that asks for
         # them compiles nothing): the log-softmax and top 20 of the emitted positions only. Likewise every

@@ -26,6 +26,7 @@ import time
 import traceback
 from collections.abc import Callable
 
+from peagle_jax import executables
 from peagle_jax.engine.generator import RequestError
 from peagle_jax.errors import UserError
 from peagle_jax.serve.metrics import Metrics
@@ -165,6 +166,7 @@ class EngineWorker:
                 return
             finally:
                 self._compile_s, self._compiling_since = self.compile_s, None
+                executables.stop_ahead()  # what the first graphs did not take waits for its first call
             if rest:
                 self._compiling_since = time.perf_counter()
                 compiler = threading.Thread(target=self._compile, args=(rest,), name="peagle-compile", daemon=True)
