@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compilation-cache",
         default=None,
-        help="JAX persistent compilation cache directory, or 'none' to disable (default ~/.cache/peagle_jax/jax-cache)",
+        help="JAX persistent compilation cache directory, with the decoding graphs' executables in its executables/ "
+        "(a rerun loads them untraced), or 'none' to disable both (default ~/.cache/peagle_jax/jax-cache)",
     )
     p.add_argument(
         "--tp",

@@ -22,6 +22,9 @@ def test_cold_and_warm_starts_are_measured(tmp_path, capsys):
         assert 0 < run["ready_s"] <= run["first_answer_s"] and run["ready_s"] <= run["all_s"]
         assert 0 < run["graphs_before_ready"] < run["graphs"] and run["compile_s"] > 0
     assert cold["graphs"] == warm["graphs"] and cold["graphs_before_ready"] == warm["graphs_before_ready"]
+    # the warm start loads what the cold one compiled (the background graphs: both ran all of them)
+    assert cold["executables_loaded"] == 0 and cold["executables_compiled"] > 0
+    assert warm["executables_compiled"] == 0 and warm["executables_loaded"] == cold["executables_compiled"]
     assert "| tiny | background | cold |" in capsys.readouterr().out
 
 

@@ -6,7 +6,8 @@ server twice on one fresh compilation cache directory: cold (the directory empty
 cold run). Each run measures, from the process start: when ``/health`` turns ready (``ready_s``), when the
 first greedy chat request sent at that moment is answered (``first_answer_s``), and when no graph is left to
 compile (``all_s``, from ``/health``'s ``graphs_pending``); then the graphs compiled before ready and in all,
-and the server's compile seconds (``/metrics``). The runs of one setting go one after the other, so their
+the server's compile seconds, and the executables it loaded from the compilation cache's store and
+compiled (``/metrics``). The runs of one setting go one after the other, so their
 ratios are measured side by side. Prints a markdown table; ``--json FILE`` writes the results.
 """
 
@@ -86,6 +87,8 @@ def one_run(flags: list[str], cache: Path, log: Path, max_tokens: int, timeout: 
         "graphs_before_ready": graphs - health["graphs_pending"],
         "graphs": graphs,
         "compile_s": m["peagle_compile_seconds"],
+        "executables_loaded": int(m['peagle_executables_total{source="store"}']),
+        "executables_compiled": int(m['peagle_executables_total{source="compiled"}']),
         "completion_tokens": answer["usage"]["completion_tokens"],
     }
 

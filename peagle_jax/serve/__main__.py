@@ -109,8 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--compilation-cache",
-        help="JAX persistent compilation cache directory, or 'none' to disable (default: MODEL/jax-cache when the "
-        "model directory brings one, see --warmup-only; else ~/.cache/peagle_jax/jax-cache)",
+        help="JAX persistent compilation cache directory, with the decoding graphs' executables in its executables/ "
+        "(a restart loads them untraced), or 'none' to disable both (default: MODEL/jax-cache when the model "
+        "directory brings one, see --warmup-only; else ~/.cache/peagle_jax/jax-cache)",
     )
     p.add_argument(
         "--warmup-only",
