@@ -83,7 +83,7 @@ def clear() -> None:
     for entry in list(_entries):
         entry._compiled.clear()
     _counts.update(loaded=0, compiled=0)
-    stop_ahead()
+    drop_ahead()
     _taken.clear()
 
 
@@ -271,6 +271,13 @@ def load_ahead() -> None:
 
 
 def stop_ahead() -> None:
+    """Load no more ahead; what is loaded waits for its call. A server stops when its warm-up starts: the
+    warm-up's memory-mapping budget (:class:`peagle_jax.platform.MapBudget`) projects from the mappings its
+    graphs add, which executables loaded ahead of them would inflate."""
+    _stop_ahead.set()
+
+
+def drop_ahead() -> None:
     """Stop loading ahead and drop what no call took (it holds memory; a later call reads it again)."""
     _stop_ahead.set()
     with _lock:

@@ -228,7 +228,10 @@ def test_loading_ahead_hands_calls_their_executables(store):
     assert len(executables._ahead) == 4
     np.testing.assert_array_equal(fns[2](x), x * 2)  # taken from what was loaded ahead
     assert len(executables._ahead) == 3 and executables.counts() == {"loaded": 1, "compiled": 0}
-    executables.stop_ahead()  # the rest is dropped; a later call reads its file
+    executables.stop_ahead()  # nothing more is loaded; what is loaded still goes to its call
+    np.testing.assert_array_equal(fns[1](x), x * 1)
+    assert len(executables._ahead) == 2
+    executables.drop_ahead()  # the rest is dropped; a later call reads its file
     assert not executables._ahead
     np.testing.assert_array_equal(fns[3](x), x * 3)
-    assert executables.counts() == {"loaded": 2, "compiled": 0}
+    assert executables.counts() == {"loaded": 3, "compiled": 0}

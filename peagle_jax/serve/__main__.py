@@ -281,7 +281,8 @@ def main(argv=None) -> int:
         from peagle_jax import executables
         from peagle_jax.serve.slots import SlotEngine
 
-        executables.load_ahead()  # while the weights and tokenizer load; stopped when the server is ready
+        if not args.warmup_only:  # while the weights and tokenizer load; stopped when the warm-up starts
+            executables.load_ahead()
         gen, tokenizer, stops, name = load(args)
 
         # Log-probabilities are computed in every step graph (one static flag, so a request that asks for

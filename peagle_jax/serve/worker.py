@@ -146,6 +146,7 @@ class EngineWorker:
 
     def _run(self) -> None:
         if self._warm:
+            executables.stop_ahead()  # the warm-up's mapping budget counts only what its own graphs load
             tasks = self.engine.warmup_tasks()
             first, rest = first_tasks(tasks, self.engine.gen.window_buckets[0]) if self._background else (tasks, [])
             self.graphs_total = len(tasks)
@@ -166,7 +167,7 @@ class EngineWorker:
                 return
             finally:
                 self._compile_s, self._compiling_since = self.compile_s, None
-                executables.stop_ahead()  # what the first graphs did not take waits for its first call
+                executables.drop_ahead()  # what the first graphs did not take waits for its first call
             if rest:
                 self._compiling_since = time.perf_counter()
                 compiler = threading.Thread(target=self._compile, args=(rest,), name="peagle-compile", daemon=True)
