@@ -1,22 +1,23 @@
 """Compiled graphs kept across processes, so that a restart neither traces nor lowers a graph it ran before.
 
 JAX's persistent compilation cache keys an executable by the lowered module, so a process must trace and
-lower every graph before it can find it there: about 0.6 s + 0.2 s per entry point of a 30-layer unrolled
-model, most of a warm server's start. :func:`jit` is ``jax.jit`` for the decoding graphs with a second
+lower every graph before it can find it there: for a model of unrolled layers (SmolLM2 has 30), most of a
+warm server's start. :func:`jit` is ``jax.jit`` for the decoding graphs with a second
 cache in front: each executable it compiles is serialized (``jax.experimental.serialize_executable``) into
 the store directory (``<compilation cache>/executables``, set by :func:`configure`), under a key made of
 what decides the graph without tracing it:
 
-- the entry point (module and name), its static arguments (``repr``), and the pytree structure, shapes,
+- the entry point (module, name and line), its static arguments (``repr``), and the pytree structure, shapes,
   dtypes, weak types and shardings of its dynamic arguments;
 - the :func:`fingerprint` of the process: the source of this package, the versions of jax, jaxlib, flax,
   numpy and any accelerator plugin, the backend and its devices, ``XLA_FLAGS`` and JAX's configuration.
 
-A call whose key this process has not met looks in the store; found, the executable is loaded (about 0.25 s
-for a SmolLM2 prefill, against about 1 s to trace, lower and load it from JAX's cache); else it is traced,
-lowered and compiled as ``jax.jit`` would (compiled afresh: an executable JAX's cache loads on XLA:CPU does
-not serialize whole, see :func:`_compile_afresh`), run, and stored. The executable is the one
-``jax.jit`` would have run: the same module through the same compiler, so outputs are identical.
+A call whose key this process has not met looks in the store; found, the executable is loaded (no tracing,
+no lowering, no lookup in JAX's cache; a server loads them ahead of their first calls on a thread,
+:func:`load_ahead`); else it is traced, lowered and compiled as ``jax.jit`` would (compiled afresh: an
+executable JAX's cache loads on XLA:CPU does not serialize whole, see :func:`_compile_afresh`), run, and
+stored. The executable is the one ``jax.jit`` would have run: the same module through the same compiler, so
+outputs are identical.
 
 Without a store (``configure(None)``, the default) a call is ``jax.jit``'s own. Inside a trace (a jitted
 graph calling another) the call is inlined as with ``jax.jit``. A store entry that cannot be read (another
