@@ -19,7 +19,8 @@ executable JAX's cache loads on XLA:CPU does not serialize whole, see :func:`_co
 stored. The executable is the one ``jax.jit`` would have run: the same module through the same compiler, so
 outputs are identical.
 
-Without a store (``configure(None)``, the default) a call is ``jax.jit``'s own. Inside a trace (a jitted
+Without a store (``configure(None)``, the default), and inside :func:`peagle_jax.platform.static_graphs`
+(whose branch-free graphs the key does not tell apart), a call is ``jax.jit``'s own. Inside a trace (a jitted
 graph calling another) the call is inlined as with ``jax.jit``. A store entry that cannot be read (another
 jaxlib wrote it, the file is cut short) is compiled again and rewritten; one whose pytree cannot be pickled
 is kept in memory only. Loading runs pickled code from the store: it is as trusted as JAX's compilation
@@ -44,6 +45,8 @@ from pathlib import Path
 
 import jax
 import numpy as np
+
+from peagle_jax import platform
 
 log = logging.getLogger("peagle_jax.executables")
 
@@ -179,7 +182,7 @@ class StoredJit:
         _entries.add(self)
 
     def __call__(self, *args, **kwargs):
-        if _store is None or len(args) > self._positional:
+        if _store is None or len(args) > self._positional or platform.tracing_static_graphs():
             return self.jitted(*args, **kwargs)
         static = tuple(sorted((k, v) for k, v in kwargs.items() if k in self._static))
         dynamic = {k: v for k, v in kwargs.items() if k not in self._static} if static else kwargs

@@ -55,7 +55,7 @@ def load_tokenizer(model_dir: Path):
     """The directory's tokenizer, or None when it has none (then only token-id prompts work). A tokenizer
     whose config names the generic fast class is built from that class directly: the same tokenizer
     AutoTokenizer builds, without it reading the model config, which imports the model's transformers module
-    (and PyTorch where it is installed: 2.8 s against 0.7 s for SmolLM2's)."""
+    (and PyTorch where it is installed): most of a server's tokenizer time."""
     if not any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
     from peagle_jax.hf_tokenizers import transformers

@@ -222,6 +222,11 @@ class MapBudget:
 _static_graphs = False
 
 
+def tracing_static_graphs() -> bool:
+    """Whether :func:`static_graphs` is in effect (graphs traced now are branch-free on every backend)."""
+    return _static_graphs
+
+
 def branching_allowed() -> bool:
     """Whether a graph traced now may branch on device values (``lax.cond``) to skip work: yes on the CPU,
     GPU and TPU backends; no on Neuron, nor inside :func:`static_graphs` (an export for Neuron, traced on

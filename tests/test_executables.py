@@ -24,6 +24,7 @@ from peagle_jax.drafter.model import init_drafter_params
 from peagle_jax.engine.generator import Generator
 from peagle_jax.models import model as M
 from peagle_jax.models.config import ModelConfig
+from peagle_jax.platform import static_graphs
 from peagle_jax.spec.generator import SpeculativeGenerator
 from peagle_jax.spec.tree import parse_tree
 
@@ -129,6 +130,9 @@ def test_inside_a_trace_and_without_a_store_it_is_jax_jit(store, tmp_path):
     outer = jax.jit(lambda v: inner(v) * 2)
     np.testing.assert_array_equal(outer(np.ones(3, np.float32)), np.full(3, 4.0))
     assert executables.counts()["compiled"] == 0 and not list(store.rglob("*.jexec"))  # inlined into outer's graph
+    with static_graphs():  # branch-free graphs are not told apart by the key: jax.jit's own
+        np.testing.assert_array_equal(inner(np.ones(3, np.float32)), np.full(3, 2.0))
+    assert executables.counts()["compiled"] == 0 and not list(store.rglob("*.jexec"))
     executables.configure(None)
     np.testing.assert_array_equal(inner(np.ones(3, np.float32)), np.full(3, 2.0))
     assert inner._cache_size() == 1 and executables.counts()["compiled"] == 0
