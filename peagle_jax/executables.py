@@ -45,6 +45,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax._src.array import ArrayImpl
 
 from peagle_jax import platform
 
@@ -138,7 +139,9 @@ def _folder() -> Path:
     return folder
 
 
-_ARRAY = type(jax.numpy.zeros(()))
+# The concrete array class, named without making an array: that would start the XLA backend at import,
+# before a multi-process run's jax.distributed.initialize (which must come first).
+_ARRAY = ArrayImpl
 _SCALARS = (int, float, bool, complex)
 
 
