@@ -228,7 +228,7 @@ class StoredJit:
             path = self._path(key)
             compiled = _take(path)
             if compiled is None:
-                compiled = _compile_afresh(self.jitted.lower(*args, **kwargs))
+                compiled = _compile_afresh(self.jitted.lower(*args, **kwargs), path)
                 _save(path, compiled, self.name)
                 _counts["compiled"] += 1
             else:
@@ -248,17 +248,22 @@ def _count_cache_hits(event: str, **_) -> None:
 jax.monitoring.register_event_listener(_count_cache_hits)
 
 
-def _compile_afresh(lowered):
+_MARK = "xla_debug_buffer_assignment_show_max"  # sizes an error message only: changes the key, not the code
+
+
+def _compile_afresh(lowered, path: Path):
     """``lowered`` compiled by XLA, not loaded from JAX's persistent cache: on XLA:CPU an executable loaded
     from there serializes incomplete (a kernel's code missing: the store's copy fails to run, or computes
-    wrong values). A compile that JAX's cache answered (its hit event, raised on this thread) is redone with
-    a debug option that only sizes buffer-assignment error messages set to a random value: another cache key,
-    the same code."""
+    wrong values). The compile carries a debug option set from the store path, so that neither JAX's
+    in-process compilation cache (a ``jax.jit`` of the same graph in this process may have loaded it from the
+    persistent cache) nor an entry of another graph answers it; one that JAX's persistent cache answered all
+    the same (its hit event, raised on this thread: the store's file was lost) is redone with a random value."""
     before = getattr(_local, "hits", 0)
-    compiled = lowered.compile()
+    mark = 1_000 + int(hashlib.sha256(path.name.encode()).hexdigest()[:7], 16)
+    compiled = lowered.compile(compiler_options={_MARK: mark})
     if getattr(_local, "hits", 0) == before:
         return compiled
-    return lowered.compile(compiler_options={"xla_debug_buffer_assignment_show_max": 1_000 + random.getrandbits(30)})
+    return lowered.compile(compiler_options={_MARK: 1_000 + random.getrandbits(30)})
 
 
 _ahead: dict[Path, concurrent.futures.Future] = {}  # executables loaded ahead of their first call
