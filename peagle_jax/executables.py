@@ -34,6 +34,7 @@ import contextlib
 import hashlib
 import importlib.metadata
 import logging
+import math
 import os
 import pickle
 import random
@@ -45,6 +46,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax._src import config as jax_config
 from jax._src.array import ArrayImpl
 
 from peagle_jax import platform
@@ -228,7 +230,7 @@ class StoredJit:
             path = self._path(key)
             compiled = _take(path)
             if compiled is None:
-                compiled = _compile_afresh(self.jitted.lower(*args, **kwargs), path)
+                compiled = _compile_afresh(self.jitted.lower(*args, **kwargs))
                 _save(path, compiled, self.name)
                 _counts["compiled"] += 1
             else:
@@ -237,33 +239,18 @@ class StoredJit:
             return compiled
 
 
-_local = threading.local()
-
-
-def _count_cache_hits(event: str, **_) -> None:
-    if event == "/jax/compilation_cache/cache_hits":
-        _local.hits = getattr(_local, "hits", 0) + 1
-
-
-jax.monitoring.register_event_listener(_count_cache_hits)
-
-
 _MARK = "xla_debug_buffer_assignment_show_max"  # sizes an error message only: changes the key, not the code
 
 
-def _compile_afresh(lowered, path: Path):
-    """``lowered`` compiled by XLA, not loaded from JAX's persistent cache: on XLA:CPU an executable loaded
-    from there serializes incomplete (a kernel's code missing: the store's copy fails to run, or computes
-    wrong values). The compile carries a debug option set from the store path, so that neither JAX's
-    in-process compilation cache (a ``jax.jit`` of the same graph in this process may have loaded it from the
-    persistent cache) nor an entry of another graph answers it; one that JAX's persistent cache answered all
-    the same (its hit event, raised on this thread: the store's file was lost) is redone with a random value."""
-    before = getattr(_local, "hits", 0)
-    mark = 1_000 + int(hashlib.sha256(path.name.encode()).hexdigest()[:7], 16)
-    compiled = lowered.compile(compiler_options={_MARK: mark})
-    if getattr(_local, "hits", 0) == before:
-        return compiled
-    return lowered.compile(compiler_options={_MARK: 1_000 + random.getrandbits(30)})
+def _compile_afresh(lowered):
+    """``lowered`` compiled by XLA, neither taken from JAX's caches nor written to the persistent one: on
+    XLA:CPU an executable that JAX's persistent cache loaded serializes incomplete (a kernel's code missing:
+    the store's copy fails to run, or computes wrong values), and JAX's in-process cache may hold such an
+    executable of the same graph (a ``jax.jit`` of it, or an earlier compile of the store's). The compile
+    carries a debug option set to a random value: a key neither cache has. The store keeps the executable,
+    so the persistent cache is not written (thread-locally: other threads' compiles are cached as ever)."""
+    with jax_config.persistent_cache_min_compile_time_secs(math.inf):
+        return lowered.compile(compiler_options={_MARK: 1_000 + random.getrandbits(40)})
 
 
 _ahead: dict[Path, concurrent.futures.Future] = {}  # executables loaded ahead of their first call

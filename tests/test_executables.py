@@ -174,7 +174,7 @@ def test_an_unreadable_or_unwritable_store_costs_a_compile(store, caplog):
 
 
 AFRESH = """
-import json, sys
+import json, pathlib, sys
 import jax, jax.numpy as jnp, numpy as np
 from peagle_jax import executables
 from peagle_jax.platform import select_platform
@@ -188,26 +188,47 @@ def gather_matmul(table, idx):
 
 table, idx = np.random.default_rng(0).random((64, 32), dtype=np.float32), np.array([3, 5, 7], np.int32)
 jax.jit(lambda v: v + 1)(1.0)  # JAX's cache in use before the stored graph compiles, as in a server
-fn = jax.jit(gather_matmul) if sys.argv[2] == "jit" else executables.jit(gather_matmul)
+if sys.argv[2] == "jit":
+    fn = jax.jit(gather_matmul)
+else:
+    jax.jit(gather_matmul)(table, idx)  # the graph as JAX's cache loaded it, held in this process too
+    fn = executables.jit(gather_matmul)
+    if sys.argv[2] == "store twice":  # compiled, its file lost, compiled again in the same process
+        fn(table, idx)
+        for path in pathlib.Path(sys.argv[1], "executables").rglob("*.jexec"):
+            path.unlink()
+        executables.clear()
 print(json.dumps({"out": np.asarray(fn(table, idx)).tolist(), **executables.counts()}))
 """
 
 
-def test_a_graph_in_jax_cache_is_compiled_afresh_for_the_store(tmp_path):
+def test_the_store_compiles_afresh_beside_jax_cache(tmp_path):
     """XLA:CPU serializes an executable that JAX's persistent cache loaded without all of its code: stored
-    and loaded by the next process, it failed to run or computed wrong values. Three processes: plain
-    ``jax.jit`` fills JAX's cache, the store compiles the same graph (a cache hit, redone afresh) and stores
-    it, the last loads it."""
+    and loaded by the next process, it failed to run or computed wrong values. So the store's compiles
+    neither read JAX's caches (persistent and in-process) nor write the persistent one. Processes: plain
+    ``jax.jit`` fills JAX's cache; the store compiles the same graph (JAX's executable of it held in the
+    process); the next loads it; with the store lost, one compiles it twice (its file lost in between); the
+    next loads that."""
     (tmp_path / "afresh.py").write_text(AFRESH)
+    cache = tmp_path / "cache"
 
     def run(kind):
-        cmd = [sys.executable, str(tmp_path / "afresh.py"), str(tmp_path / "cache"), kind]
+        cmd = [sys.executable, str(tmp_path / "afresh.py"), str(cache), kind]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": ""})
         assert proc.returncode == 0, proc.stderr[-2000:]
         return json.loads(proc.stdout.splitlines()[-1])
 
+    def jax_entries():
+        return sorted(p.name for p in cache.iterdir() if p.name != "executables")
+
     want = run("jit")["out"]
+    entries = jax_entries()
+    assert len(entries) >= 2  # the two graphs of the run above
     assert run("store") == {"out": want, "loaded": 0, "compiled": 1}
+    assert jax_entries() == entries  # the store's compile left nothing in JAX's cache
+    assert run("store") == {"out": want, "loaded": 1, "compiled": 0}
+    shutil.rmtree(cache / "executables")  # the store lost: compiled again, where JAX's cache has the graph
+    assert run("store twice") == {"out": want, "loaded": 0, "compiled": 1}
     assert run("store") == {"out": want, "loaded": 1, "compiled": 0}
 
 
