@@ -105,7 +105,14 @@ def test_smollm2_shapes_every_graph_exports_clean():
 
 
 def test_the_graph_set_follows_the_generators_buckets():
-    b = ServingBuckets(batch_buckets=(1,), prefill_buckets=(16, 32), max_seq_len=100, k_values=(2,), sampling=False)
+    b = ServingBuckets(
+        batch_buckets=(1,),
+        prefill_buckets=(16, 32),
+        max_seq_len=100,
+        k_values=(2,),
+        sampling=False,
+        adaptive_chains=(1,),
+    )
     names = [g.name for g in all_graphs(TINY, random_drafter_config(TINY), b)]
     # Plain: 128 slots (100 rounded up to whole 32-token chunks), windows 128; chunks start at 0, 32, 64, 96.
     assert "prefill_b1_s128_t32_w128" in names and "decode_b1_s128_w128_greedy" in names
@@ -116,15 +123,23 @@ def test_the_graph_set_follows_the_generators_buckets():
     # Every step writes its verified aux states into the next draft's context (3 of them for K = 2) in the
     # 16-slot queue.
     assert "write_context_b1_c16_n3" in names
-    # The adaptive step length's shorter steps, inside the K=2 cache: a chain of 1 drafted over the same
-    # 3 context slots, the plain step, and make_room's write of the 16 queued elements to the drafter cache.
+    # The adaptive step length's shorter steps, inside the K=2 cache: a chain of 1 (adaptive_chains) drafted
+    # over the same 3 context slots, the plain step, and make_room's write of the 16 queued elements to the
+    # drafter cache.
     assert "parallel_draft_b1_s128_c3_chain1_n1_w128" in names and "write_context_b1_c16_n2" in names
     assert "plain_b1_s128_c16_w128_greedy" in names and "flush_context_b1_s128_c16_w128" in names
     assert not any("chain0" in n for n in names)  # a plain step neither drafts nor verifies a tree
+    default = [
+        g.name for g in all_graphs(TINY, random_drafter_config(TINY), dataclasses.replace(b, adaptive_chains=()))
+    ]
+    assert set(default) < set(names) and "plain_b1_s128_c16_w128_greedy" in default
+    assert not any(x in n for n in default for x in ("chain1", "_n2"))
     fixed = [g.name for g in all_graphs(TINY, random_drafter_config(TINY), dataclasses.replace(b, adaptive=False))]
-    assert set(fixed) < set(names)
+    assert set(fixed) < set(default)
     assert not any(x in n for n in fixed for x in ("chain1", "plain_", "flush_", "_n2"))
     assert len(names) == len(set(names))
+    with pytest.raises(BucketsError, match="adaptive_chains"):
+        dataclasses.replace(b, adaptive_chains=(2,))  # as long as the draft
 
 
 def test_an_exported_graph_runs_and_equals_the_jitted_one():

@@ -197,7 +197,7 @@ def test_outputs_do_not_change_while_graphs_come_online(models, adaptive):
     if adaptive:
         engine.adopt_times(shadow.policy)
         advance()
-        assert all(engine.policy._timed(r, k) for r in engine.row_buckets for k in (0, 1, 3))
+        assert all(engine.policy._timed(r, k) for r in engine.row_buckets for k in (0, 3))
     waiting += [SlotRequest(p, n, t, k, tp, seed, stops) for p, n, t, k, tp, seed, stops in REQUESTS[:3]]
     out.update({r.id: [] for r in waiting})
     reqs += waiting
@@ -459,7 +459,12 @@ def test_adaptive_k_equals_generators_and_measures(models):
     params, dparams = models
     plain = Generator(CFG, params, max_seq_len=MAX_SEQ)
     spec = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, max_seq_len=MAX_SEQ)
-    engine = SlotEngine(spec, 3, adaptive=True)
+    default = "speculative, each step drafts 0/3 deep (a plain step or a chain of 3)"
+    assert SlotEngine(spec, 3, adaptive=True).describe().startswith(default)
+    for bad in ([3], [0], [1, 4]):  # a chain the step length picks is shorter than the draft
+        with pytest.raises(RequestError, match="chain length"):
+            SlotEngine(spec, 3, adaptive=True, chains=bad)
+    engine = SlotEngine(spec, 3, adaptive=True, chains=[1])
     described = "speculative, each step drafts 0/1/3 deep (a plain step, a chain of 1 or a chain of 3)"
     assert engine.describe().startswith(described)
     outs, _ = _run(engine, REQUESTS, arrive_every=1)
@@ -527,7 +532,7 @@ def test_no_compiles_after_warmup_adaptive(models):
     params, dparams = models
     gen = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, max_seq_len=MAX_SEQ)
     graphs = (M.prefill, sample_jit, put_row, V.verify, D.parallel_draft, D.drafter_prefill, plain_step, merge_roots)
-    engine = SlotEngine(gen, 4, adaptive=True)
+    engine = SlotEngine(gen, 4, adaptive=True, chains=[1])  # a chain of 1 too: its graphs are warmed up as well
     engine.warmup()
     policy = engine.policy
     assert policy.steps == 0 and engine.steps_by_k == {} and gen.spec.steps == 0

@@ -327,6 +327,9 @@ def test_sagemaker_defaults(tmp_path, monkeypatch):
     assert not fixed.adaptive_k and fixed.load_k == []
     pairs = cli.resolve(cli.build_parser().parse_args(["--load-k", "4:2,12:0"]))
     assert not pairs.adaptive_k and pairs.load_k == [(4, 2), (12, 0)]
+    assert args.chains is None  # the default step lengths: a plain step or the draft
+    chains = cli.resolve(cli.build_parser().parse_args(["--load-k", "auto:1,2"]))
+    assert chains.adaptive_k and chains.load_k == [] and chains.chains == (1, 2)
     other = cli.resolve(cli.build_parser().parse_args(["--model", str(tmp_path)]))
     assert other.drafter is None  # no shipped drafter for other targets
 
@@ -342,7 +345,9 @@ def test_sagemaker_defaults(tmp_path, monkeypatch):
         (["--port", "70000"], "--port"),
         (["--model", "/nonexistent", "--load-k", "4:2"], "--drafter"),
         (["--drafter", "/nonexistent", "--load-k", "4"], "N:K pairs"),
-        (["--drafter", "/nonexistent", "--load-k", "fast"], "'auto', 'none'"),
+        (["--drafter", "/nonexistent", "--load-k", "fast"], "'auto', 'auto:1', 'none'"),
+        (["--drafter", "/nonexistent", "--load-k", "auto:0"], "chain lengths >= 1"),
+        (["--drafter", "/nonexistent", "--load-k", "auto:one"], "chain lengths >= 1"),
         (["--model", "/nonexistent"], "/nonexistent"),
     ],
 )

@@ -15,7 +15,8 @@ families to build. Example (``neuron/buckets.yaml``)::
     sequential: true   # also the EAGLE-3 sequential draft graphs
     fused: true        # also the fused draft + verify graphs
     sampling: true     # also the sampling variants (temperature > 0), besides greedy
-    adaptive: true     # also plain steps and chains of 1 inside each K's cache (serve --load-k auto)
+    adaptive: true     # also plain steps inside each K's cache (serve --load-k auto)
+    adaptive_chains: [] # with adaptive, also a chain of each length inside each K's cache (serve --load-k auto:1)
     dtype: bfloat16
 """
 
@@ -27,6 +28,7 @@ from pathlib import Path
 import yaml
 
 from peagle_jax.errors import UserError
+from peagle_jax.spec.tree import parse_tree
 
 
 class BucketsError(UserError):
@@ -44,6 +46,7 @@ class ServingBuckets:
     fused: bool = False
     sampling: bool = True
     adaptive: bool = True
+    adaptive_chains: tuple[int, ...] = ()
     dtype: str = "bfloat16"
 
     def __post_init__(self):
@@ -51,6 +54,15 @@ class ServingBuckets:
             values = getattr(self, name)
             if not values or any(not isinstance(v, int) or v < 1 for v in values):
                 raise BucketsError(f"{name} must be a non-empty list of positive integers, got {list(values)}")
+        if any(not isinstance(c, int) or c < 1 for c in self.adaptive_chains):
+            raise BucketsError(f"adaptive_chains must be positive integers, got {list(self.adaptive_chains)}")
+        depths = [*self.k_values, *(parse_tree(t).depth for t in self.trees)]
+        too_long = sorted({c for c in self.adaptive_chains if c >= min(depths)})
+        if too_long:
+            raise BucketsError(
+                f"adaptive_chains {too_long}: each must be shorter than every draft (k_values, trees: depth "
+                f"{min(depths)})"
+            )
         if self.max_seq_len < 2:
             raise BucketsError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if self.dtype not in ("float32", "bfloat16"):
@@ -76,7 +88,7 @@ def load_buckets(path: str | Path | None = None, **overrides) -> ServingBuckets:
     unknown = sorted(set(values) - fields)
     if unknown:
         raise BucketsError(f"unknown bucket field(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
-    for name in ("batch_buckets", "prefill_buckets", "k_values", "trees"):
+    for name in ("batch_buckets", "prefill_buckets", "k_values", "trees", "adaptive_chains"):
         if name in values:
             v = values[name]
             values[name] = tuple(v) if isinstance(v, list | tuple) else (v,)

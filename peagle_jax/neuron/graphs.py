@@ -16,7 +16,7 @@ slots and window buckets from a generator built with these buckets. For each bat
   ``sequential_draft`` per draft window, ``verify`` per window, and (with ``fused``) ``fused_step`` per
   window (it runs draft and verify at one window), and ``write_context`` (the verified aux states into the
   next draft's context); with ``adaptive`` (the server's default step-length policy) the same for the
-  shorter step lengths it picks from (a chain of 1 over the same K + 1 context slots), the plain step
+  shorter chains it picks from (``adaptive_chains``, over the same K + 1 context slots), the plain step
   (``plain_step`` per window) and ``flush_context`` per window (the Q queued context elements, see
   :func:`peagle_jax.spec.state.queue_slots`, into the drafter cache);
 - once: ``fused_mask_hidden`` (run at load).
@@ -176,8 +176,8 @@ def plain_graphs(cfg, params, buckets: ServingBuckets, mesh=None) -> list[Graph]
 def speculative_graphs(cfg, params, dcfg, dparams, buckets: ServingBuckets, tree: Tree, mesh=None) -> list[Graph]:
     """The graphs of a generator drafting ``tree`` (K = its depth, C = K + 1 context slots); with
     ``buckets.adaptive`` also those of its shorter step lengths (:func:`peagle_jax.spec.adaptive.step_trees`: a
-    plain step and a chain of 1, drafted over the same C slots and cache) and ``flush_context``, which keeps
-    the drafter current during plain steps (``make_room``)."""
+    plain step and a chain of each ``buckets.adaptive_chains``, drafted over the same C slots and cache) and
+    ``flush_context``, which keeps the drafter current during plain steps (``make_room``)."""
     gen = Generator(
         cfg,
         None,
@@ -192,7 +192,7 @@ def speculative_graphs(cfg, params, dcfg, dparams, buckets: ServingBuckets, tree
     embed = None if dcfg.own_embedding else params["embed_tokens"]
     mask_g = sds((dcfg.hidden_size,), dcfg.layer.jnp_dtype) if dcfg.parallel else None
     draft_windows = windows_up_to(gen.window_buckets, buckets.max_seq_len + 2 * K + 1)
-    steps = serving_trees(tree, adaptive=buckets.adaptive)
+    steps = serving_trees(tree, adaptive=buckets.adaptive, chains=buckets.adaptive_chains)
     kinds = (["parallel"] if dcfg.parallel else []) + (["sequential"] if buckets.sequential else [])
     out = []
     for B in gen.batch_buckets:

@@ -70,9 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fused", action="store_true", help="draft and verify in one graph per step")
     p.add_argument(
         "--load-k",
-        help="how many tokens a step drafts: 'auto' (default) picks, per step, a plain step, a chain of 1 or "
-        "--k / --tree, whichever it measured to give the most tokens per second at the current load (where "
-        "drafting does not pay, the drafter's own work is skipped too); 'none' "
+        help="how many tokens a step drafts: 'auto' (default) picks, per step, a plain step or --k / --tree, "
+        "whichever it measured to give the most tokens per second at the current load (where drafting does "
+        "not pay, the drafter's own work is skipped too); 'auto:1' (or 'auto:1,2', ...) also a chain of each "
+        "length listed, shorter than --k / --tree (each adds its graphs to compile); 'none' "
         "always drafts --k / --tree; or N:K pairs, e.g. '4:2,12:0' = with at least 4 active requests draft "
         "and verify a chain of 2, with 12 decode plainly (K 0)",
     )
@@ -175,7 +176,7 @@ def resolve(args) -> argparse.Namespace:
         args.port = sagemaker_port() if sagemaker else 8000
     flags = {"--tree": args.tree, "--sequential": args.sequential, "--fused": args.fused, "--load-k": args.load_k}
     check_speculation_flags(args.drafter or DEFAULT_FOR_MODEL.get(args.model), args.k, flags)
-    args.load_k, adaptive = parse_load_k(args.load_k)
+    args.load_k, adaptive, args.chains = parse_load_k(args.load_k)
     for flag, value, low in (
         ("--max-batch", args.max_batch, 1),
         ("--max-seq-len", args.max_seq_len, 2),
@@ -205,20 +206,32 @@ def sagemaker_port() -> int:
     return int(value)
 
 
-def parse_load_k(spec: str | None) -> tuple[list[tuple[int, int]], bool]:
-    """``--load-k`` -> (N:K pairs, adaptive): ``'4:2,12:0'`` -> ([(4, 2), (12, 0)], False); None or
-    ``'auto'`` -> ([], True); ``'none'`` -> ([], False)."""
-    if spec is None or spec.strip() == "auto":
-        return [], True
-    if spec.strip() == "none":
-        return [], False
+def parse_load_k(spec: str | None) -> tuple[list[tuple[int, int]], bool, tuple[int, ...] | None]:
+    """``--load-k`` -> (N:K pairs, adaptive, the adaptive step length's chains): ``'4:2,12:0'`` ->
+    ([(4, 2), (12, 0)], False, None); None or ``'auto'`` -> ([], True, None: the default chains);
+    ``'auto:1,2'`` -> ([], True, (1, 2)); ``'none'`` -> ([], False, None)."""
+    spec = None if spec is None else spec.strip()
+    if spec is None or spec == "auto":
+        return [], True, None
+    if spec == "none":
+        return [], False, None
+    if spec.startswith("auto:"):
+        try:
+            chains = tuple(int(x) for x in spec[len("auto:") :].split(","))
+        except ValueError:
+            chains = ()
+        if not chains or min(chains) < 1:
+            raise UserError(f"--load-k {spec!r}: expected 'auto:' and chain lengths >= 1, e.g. auto:1 or auto:1,2")
+        return [], True, chains
     try:
         pairs = [tuple(int(x) for x in item.split(":")) for item in spec.split(",")]
     except ValueError:
         pairs = []
     if not pairs or any(len(p) != 2 for p in pairs):
-        raise UserError(f"--load-k {spec!r}: expected 'auto', 'none' or comma-separated N:K pairs, e.g. 4:2,12:0")
-    return pairs, False
+        raise UserError(
+            f"--load-k {spec!r}: expected 'auto', 'auto:1', 'none' or comma-separated N:K pairs, e.g. 4:2,12:0"
+        )
+    return pairs, False, None
 
 
 def load(args):
@@ -290,7 +303,8 @@ def main(argv=None) -> int:
         # step takes the slots' penalties, logit biases and grammar masks (skipped inside the graph while no
         # row has any).
         engine = SlotEngine(
-            gen, args.max_batch, load_k=args.load_k, adaptive=args.adaptive_k, logprobs=True, rules=True,
+            gen, args.max_batch, load_k=args.load_k, adaptive=args.adaptive_k, chains=args.chains, logprobs=True,
+            rules=True,
             grammars=grammars_for(tokenizer, gen.cfg.vocab_size, stops),
         )  # fmt: skip
         engine.overlap = not args.sync_steps

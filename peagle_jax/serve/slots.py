@@ -61,7 +61,7 @@ from peagle_jax.logprobs import first_logprobs, host_logprobs, row_logprobs
 from peagle_jax.models import model
 from peagle_jax.platform import MapBudget
 from peagle_jax.sampling import SamplingParams, check_sampling_args, greedy_graph, greedy_modes
-from peagle_jax.spec.adaptive import CALIBRATION_STEPS, AdaptiveK, adaptive_policy
+from peagle_jax.spec.adaptive import CALIBRATION_STEPS, AdaptiveK, adaptive_policy, step_trees
 from peagle_jax.spec.generator import SpeculativeGenerator
 from peagle_jax.spec.plan import StepKey, serving_trees, step_keys
 from peagle_jax.spec.state import SpecState, SpecStats, host_copy
@@ -190,13 +190,16 @@ class SlotEngine:
         *,
         load_k: Sequence[tuple[int, int]] = (),
         adaptive: bool = False,
+        chains: Sequence[int] | None = None,
         logprobs: bool = False,
         rules: bool = False,
         grammars: Grammars | None = None,
     ):
         """``load_k``: (n, K') pairs, with at least n active slots a step drafts and verifies a chain of K'
-        (0: a plain step). ``adaptive``: each step picks plain, a chain of 1 or the generator's own tree by
-        measured throughput (:class:`peagle_jax.spec.adaptive.AdaptiveK`); excludes ``load_k``. ``logprobs``:
+        (0: a plain step). ``adaptive``: each step picks plain, the generator's own tree or a chain of each
+        length in ``chains`` (default: the generator's, see
+        :class:`~peagle_jax.spec.generator.SpeculativeGenerator`) by measured throughput
+        (:class:`peagle_jax.spec.adaptive.AdaptiveK`); excludes ``load_k``. ``logprobs``:
         every step (and admission) also returns the emitted tokens' raw log-probabilities and the top
         :data:`~peagle_jax.logprobs.TOP_LOGPROBS` (one flag for all graphs, so that requests that ask for
         them compile nothing; sets the generator's :attr:`~peagle_jax.engine.generator.Generator.logprobs`).
@@ -214,8 +217,9 @@ class SlotEngine:
         self.grammar_drafting = True
         self.structured = {"requests": 0, "target_forwards": 0, "emitted": 0}  # of the rows with a grammar
         self.grammar_s = 0.0  # host seconds in grammar masks and grammar-aware drafting
-        self._load_k, self._adaptive = tuple(load_k), adaptive
         self.speculative = isinstance(gen, SpeculativeGenerator)
+        chains = gen.chains if chains is None and self.speculative else chains
+        self._load_k, self._adaptive, self._chains = tuple(load_k), adaptive, chains
         # The step keys whose graphs still compile in the background (see the module docstring): a drafting
         # step among them runs a plain step instead. Another thread removes keys as they compile.
         self.compiling: set[StepKey] = set()
@@ -232,9 +236,14 @@ class SlotEngine:
                     f"{gen.tree.describe()})"
                 )
             self.load_trees.append((n, chain(k)))
+        # the step lengths the adaptive policy picks from: K' -> its tree
+        try:
+            self.choices = step_trees(gen.tree, chains) if adaptive else {}
+        except ValueError as err:
+            raise RequestError(str(err)) from None
         self.policy = None
         if adaptive:
-            self.policy = adaptive_policy(gen.tree)
+            self.policy = adaptive_policy(gen.tree, chains)
         # With the adaptive policy, the drafter's work is lazy: where drafting does not pay (the policy's
         # :meth:`~peagle_jax.spec.adaptive.AdaptiveK.pays`), a request is admitted without the drafter prefill and
         # a row whose context queue fills is desynced rather than flushed (SpecState.desync); once drafting
@@ -275,8 +284,9 @@ class SlotEngine:
         tree = self.gen.tree.describe()
         if self.policy is not None:
             ks = "/".join(str(k) for k in self.policy.candidates)
+            steps = ["a plain step", *(f"a chain of {c}" for c in list(self.choices)[1:-1]), tree]
             return (
-                f"speculative, each step drafts {ks} deep (a plain step, a chain of 1 or {tree}), whichever was "
+                f"speculative, each step drafts {ks} deep ({', '.join(steps[:-1])} or {steps[-1]}), whichever was "
                 "measured fastest (--load-k auto)"
             )
         if self.load_trees:
@@ -667,7 +677,7 @@ class SlotEngine:
         elif self.policy is not None:
             busy = [b for b in range(R) if self.slots[b] is not None]
             synced = float(np.mean(self.state.synced[busy])) if busy else 1.0
-            tree = self.gen.choices[self.policy.choose(R, synced)]
+            tree = self.choices[self.policy.choose(R, synced)]
         else:
             tree = self.tree_for(self.active) or self.gen.tree
         return chain(0) if tree.depth and self.compiling and self._step_key(R, tree) in self.compiling else tree
@@ -802,6 +812,7 @@ class SlotEngine:
         trees = serving_trees(
             gen.tree if self.speculative else None,
             adaptive=self.policy is not None,
+            chains=self._chains,
             load_trees=[t for _, t in self.load_trees],
         )
         keys = step_keys(self.row_buckets, trees, gen.window_buckets, greedy_modes())
@@ -823,7 +834,7 @@ class SlotEngine:
         t0 = time.perf_counter()
         gen = self.gen
         tasks = self.warmup_tasks() if tasks is None else list(tasks)
-        calibration = len(self.row_buckets) * len(gen.choices) * CALIBRATION_STEPS if self.policy and calibrate else 0
+        calibration = len(self.row_buckets) * len(self.choices) * CALIBRATION_STEPS if self.policy and calibrate else 0
         total = len(tasks) + calibration  # the calibration's timed steps compile nothing: not in the budget
         budget = MapBudget(len(tasks), f"{self.B} slots x {gen.max_seq_len} tokens ({self.describe()})")
         done = 0
@@ -852,9 +863,9 @@ class SlotEngine:
                 self.compiling.discard(task)
             advance()
         if self.policy is not None:  # the steps above compiled: their times and acceptance mean nothing
-            self.policy = adaptive_policy(gen.tree)
+            self.policy = adaptive_policy(gen.tree, self._chains)
             for rows in self.row_buckets if calibrate else ():
-                self.policy.calibrate_all(rows, lambda k, r=rows: self._time_step(gen.choices[k], slot=r - 1), advance)
+                self.policy.calibrate_all(rows, lambda k, r=rows: self._time_step(self.choices[k], slot=r - 1), advance)
         if self.speculative:
             gen.spec.reset()  # in place: the server's /metrics reads this object
         self.steps_by_k.clear()
@@ -873,7 +884,8 @@ class SlotEngine:
         if self.speculative:
             gen.spec = SpecStats(accepted_per_position=[0] * gen.K)
         twin = SlotEngine(
-            gen, self.B, load_k=self._load_k, adaptive=self._adaptive, logprobs=self.logprobs, grammars=self.grammars,
+            gen, self.B, load_k=self._load_k, adaptive=self._adaptive, chains=self._chains, logprobs=self.logprobs,
+            grammars=self.grammars,
             rules=self.rules,
         )  # fmt: skip
         twin.overlap, twin.compiling = self.overlap, self.compiling

@@ -52,16 +52,29 @@ from peagle_jax.spec.tree import Tree, chain
 CALIBRATION_STEPS = 6
 
 
-def step_trees(tree: Tree) -> dict[int, Tree]:
-    """The candidates of a generator drafting ``tree``: K' -> its tree, a plain step (0), a chain of 1 and
-    ``tree`` itself."""
-    return {0: chain(0), 1: chain(1), tree.depth: tree}
+# Chains the adaptive step length picks from besides a plain step and the drafted tree, by default: none.
+# A chain of 1 (serve --load-k auto:1) was measured on the serving benchmark side by side with the default:
+# docs/bench/serve/README.md ("Step lengths").
+DEFAULT_CHAINS: tuple[int, ...] = ()
 
 
-def adaptive_policy(tree: Tree) -> AdaptiveK:
+def step_trees(tree: Tree, chains: Sequence[int] | None = None) -> dict[int, Tree]:
+    """The candidates of a generator drafting ``tree``: K' -> its tree, a plain step (0), ``tree`` itself
+    and a chain of each length in ``chains`` (default :data:`DEFAULT_CHAINS`; each shorter than ``tree``)."""
+    chains = DEFAULT_CHAINS if chains is None else tuple(chains)
+    bad = [c for c in chains if not 0 < c < tree.depth]
+    if bad:
+        raise ValueError(
+            f"chain length(s) {', '.join(map(str, bad))}: a chain the step length picks must be 1.."
+            f"{tree.depth - 1}, shorter than the draft ({tree.describe()})"
+        )
+    return {0: chain(0), **{c: chain(c) for c in sorted(chains)}, tree.depth: tree}
+
+
+def adaptive_policy(tree: Tree, chains: Sequence[int] | None = None) -> AdaptiveK:
     """The policy of a generator drafting ``tree``: its :func:`step_trees`, acceptance shared between them
     when ``tree`` is a chain."""
-    return AdaptiveK(sorted(step_trees(tree)), shared=tree.is_chain)
+    return AdaptiveK(sorted(step_trees(tree, chains)), shared=tree.is_chain)
 
 
 class AdaptiveK:

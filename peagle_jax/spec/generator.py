@@ -57,11 +57,13 @@ class SpeculativeGenerator(Generator):
         max_seq_len: int = 2048,
         shard_drafter: bool = False,
         adaptive: bool = False,
+        chains: Sequence[int] | None = None,
         **kwargs,
     ):
         """With ``mesh`` (tensor parallelism) the drafter is replicated on it, or sharded by the target's
-        rules when ``shard_drafter``. ``adaptive``: each step of :meth:`stream` picks a plain step, a chain of
-        1 or ``tree`` by measured throughput (:class:`peagle_jax.spec.adaptive.AdaptiveK`); outputs are the same."""
+        rules when ``shard_drafter``. ``adaptive``: each step of :meth:`stream` picks a plain step, ``tree``
+        or a chain of each length in ``chains`` (default :data:`~peagle_jax.spec.adaptive.DEFAULT_CHAINS`) by
+        measured throughput (:class:`peagle_jax.spec.adaptive.AdaptiveK`); outputs are the same."""
         tree = tree or chain(k or dcfg.speculative_tokens)
         if k is not None and tree.depth != k:
             raise RequestError(f"--tree uses depth {tree.depth} but --k is {k}")
@@ -101,13 +103,14 @@ class SpeculativeGenerator(Generator):
         # With :attr:`logprobs`: the last step's emitted tokens' log-probabilities on the host, [R, K + 1]
         # as its tokens (:func:`peagle_jax.logprobs.host_logprobs`).
         self.step_logprobs: TokenLogprobs | None = None
-        self.choices = step_trees(tree)  # the step lengths an adaptive policy chooses from: K' -> tree
+        self.chains = chains
+        self.choices = step_trees(tree, chains)  # the step lengths an adaptive policy chooses from: K' -> tree
         # Whether a step waits for its draft before launching the verify, to time the two apart
         # (SpecStats.draft_s; python -m peagle_jax.bench.spec). Otherwise the verify is launched on the
         # draft's unread tokens, so that its launch (~1.6 ms of host time for SmolLM2's ~330 arrays) overlaps
         # the draft instead of following it, and the draft's time is counted as verify, as with ``fused``.
         self.time_draft = False
-        self.policy = adaptive_policy(tree) if adaptive else None
+        self.policy = adaptive_policy(tree, chains) if adaptive else None
 
     def _fused(
         self, cache, dcache, ctx, root, q, seeds, sampling, tree: Tree, window: int, greedy_only: bool, rules=None
@@ -475,7 +478,7 @@ class SpeculativeGenerator(Generator):
         acceptance is learnt from real text only."""
         from peagle_jax.engine.buckets import bucket
 
-        policy = adaptive_policy(self.tree)
+        policy = adaptive_policy(self.tree, self.chains)
         B = bucket(batch, self.batch_buckets)
         cache, dcache = self._scratch_caches(B)
         X = len(self.cfg.aux_layer_ids) * self.cfg.hidden_size
@@ -525,7 +528,7 @@ class SpeculativeGenerator(Generator):
         greedy_only = greedy_graph(sampling.temperature)  # the graphs such requests call
         seeds, root, live = jnp.zeros(B, jnp.uint32), jnp.zeros(B, jnp.int32), jnp.ones(B, bool)
         out, first, last = None, prompt_len, prompt_len + max_new_tokens  # the roots q a request can reach
-        for tree in serving_trees(self.tree, adaptive=self.policy is not None):
+        for tree in serving_trees(self.tree, adaptive=self.policy is not None, chains=self.chains):
             windows = windows_between(self.window_buckets, first + tree.size + 1, last + tree.size + 1)
             if self.fused and tree.depth:
                 windows = sorted(set(windows) | set(draft_windows))

@@ -3,7 +3,7 @@
 Every device graph is one jitted entry point at one shape bucket, so which graphs a setup can call follows
 from its configuration alone: the rows of a step (the batch buckets of the batch generators, the row
 buckets of the serving engine), the step trees (the drafted tree; with the adaptive step length also the
-shorter ones it picks from, :func:`peagle_jax.spec.adaptive.step_trees`; a plain step is ``chain(0)``),
+plain step it also picks, :func:`peagle_jax.spec.adaptive.step_trees`; a plain step is ``chain(0)``),
 the attention windows a context reaches, the sampling modes (:func:`peagle_jax.sampling.greedy_modes`) and
 the prefill chunks. This module enumerates them; its callers turn each key into graphs:
 
@@ -45,14 +45,16 @@ def step_keys(
     return [StepKey(r, t, w, g) for r in rows for t in trees for w in windows for g in greedy_modes]
 
 
-def serving_trees(tree: Tree | None, *, adaptive: bool = False, load_trees: Sequence[Tree] = ()) -> list[Tree]:
+def serving_trees(
+    tree: Tree | None, *, adaptive: bool = False, load_trees: Sequence[Tree] = (), chains: Sequence[int] | None = None
+) -> list[Tree]:
     """The step trees a decoder runs: plain decoding (``tree`` None) only plain steps; a speculative one its
     tree and any trees it switches to under load; with the adaptive step length every step length it picks
-    from (plain, a chain of 1, the tree)."""
+    from (plain, the tree and any ``chains``: :func:`peagle_jax.spec.adaptive.step_trees`)."""
     if tree is None:
         return [chain(0)]
     if adaptive:
-        return list(step_trees(tree).values())
+        return list(step_trees(tree, chains).values())
     return list(dict.fromkeys([tree, *load_trees]))
 
 
