@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument(
         "--k-policy",
         choices=["auto", "fixed"],
-        help="auto (default): each step drafts 0 (a plain step), 1 or K tokens, whichever has been measured "
+        help="auto (default): each step drafts 0 (a plain step) or K tokens (or --tree), whichever has been measured "
         "to give the most tokens per second so far (the output is the same); fixed: K (or --tree) every step",
     )
     p.add_argument(
