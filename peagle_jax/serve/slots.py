@@ -284,10 +284,12 @@ class SlotEngine:
         tree = self.gen.tree.describe()
         if self.policy is not None:
             ks = "/".join(str(k) for k in self.policy.candidates)
-            steps = ["a plain step", *(f"a chain of {c}" for c in list(self.choices)[1:-1]), tree]
+            chains = list(self.choices)[1:-1]
+            steps = ["a plain step", *(f"a chain of {c}" for c in chains), tree]
+            flag = "auto" + (":" + ",".join(map(str, chains)) if chains else "")
             return (
                 f"speculative, each step drafts {ks} deep ({', '.join(steps[:-1])} or {steps[-1]}), whichever was "
-                "measured fastest (--load-k auto)"
+                f"measured fastest (--load-k {flag})"
             )
         if self.load_trees:
             rules = ", ".join(
