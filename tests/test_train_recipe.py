@@ -108,6 +108,33 @@ def test_tiny_recipe_end_to_end_and_resume(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "not a finished training run" in proc.stderr
 
 
+@pytest.mark.slow
+def test_a_run_dying_in_an_evaluation_redoes_it_on_resume(tmp_path, monkeypatch):
+    """A run that dies evaluating step 6 (as the survivor of a killed process does) has no checkpoint at 6, so
+    its resume redoes step 6's evaluation instead of continuing past it with the step missing from eval.jsonl."""
+    from peagle_jax.train import pipeline
+
+    small = ["optim.total_steps=9", "optim.save_every=3", "run.eval_every=3", "run.eval_batches=1"]
+    small += ["data.max_prompts=16", "run.tensorboard=false", "run.progress=false"]
+    recipe = load_recipe(TINY, small)
+    evaluate = pipeline.evaluate
+
+    def dies_at_6(state, *args, **kw):
+        if int(state.step) == 6:
+            raise RuntimeError("another task died")
+        return evaluate(state, *args, **kw)
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(pipeline, "evaluate", dies_at_6)
+    with pytest.raises(RuntimeError, match="another task died"):
+        pipeline.run(recipe, out, log=lambda *a: None)
+    monkeypatch.setattr(pipeline, "evaluate", evaluate)
+    logs = []
+    pipeline.run(recipe, out, log=logs.append)
+    assert "resumed from step 3" in logs
+    assert [json.loads(line)["step"] for line in (out / "eval.jsonl").read_text().splitlines()] == [3, 6, 9]
+
+
 def test_bad_recipe_is_one_error_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("batch:\n  seq_len: 2\n")

@@ -344,7 +344,6 @@ def run(recipe: Recipe, output: str | Path, *, log=print) -> dict:
         _log_tb(writer, "train", record, step)
         if step % recipe.run.log_every == 0:
             bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=_fmt(record["acc_K"][0]))
-        save_state(manager, state)
         last = step + 1 == end
         if held is not None and ((step + 1) % recipe.run.eval_every == 0 or last):
             eval_record = evaluate(
@@ -361,6 +360,9 @@ def run(recipe: Recipe, output: str | Path, *, log=print) -> dict:
             if primary:
                 append_jsonl(out / "eval.jsonl", eval_record)
             _log_tb(writer, "eval", eval_record, step + 1)
+        # Saved after the evaluation: a checkpoint at a step means its evaluation is on record, so a run killed
+        # between the two redoes both rather than resuming past an evaluation it never wrote.
+        save_state(manager, state)
         bar.update(1)
     bar.close()
     train_s = time.perf_counter() - t_train
