@@ -21,7 +21,9 @@ class GeneratorOptions:
     spec (:func:`peagle_jax.spec.tree.parse_tree`), or None for a chain of ``k`` (or of the drafter config's
     K); ``adaptive``: each step's length is chosen by measured throughput
     (:meth:`peagle_jax.spec.generator.SpeculativeGenerator.stream`); ``expert_split``: how a mesh splits a
-    mixture-of-experts target's experts (:func:`peagle_jax.sharding.expert_split`)."""
+    mixture-of-experts target's experts (:func:`peagle_jax.sharding.expert_split`); ``window_buckets``: the
+    attention windows below the whole cache (None: the default buckets, see
+    :class:`peagle_jax.engine.generator.Generator`)."""
 
     dtype: str = "float32"
     max_seq_len: int = 2048
@@ -32,6 +34,7 @@ class GeneratorOptions:
     fused: bool = False
     adaptive: bool = False
     expert_split: str = "auto"
+    window_buckets: tuple[int, ...] | None = None
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -133,6 +136,7 @@ def speculative_generator(opts: GeneratorOptions, model_dir: Path, mesh=None):
         max_seq_len=opts.max_seq_len,
         mesh=mesh,
         adaptive=opts.adaptive,
+        window_buckets=opts.window_buckets,
     )
 
 
@@ -146,4 +150,4 @@ def build_generator(opts: GeneratorOptions, model_dir: Path, mesh=None):
 
     cfg, params = load_target_any(model_dir, dtype=opts.dtype)
     params = _placed(cfg, params, mesh, opts)
-    return Generator(cfg, params, max_seq_len=opts.max_seq_len, mesh=mesh)
+    return Generator(cfg, params, max_seq_len=opts.max_seq_len, mesh=mesh, window_buckets=opts.window_buckets)

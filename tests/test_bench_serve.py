@@ -87,16 +87,19 @@ def test_bench_serve_with_a_tree_in_bfloat16(tmp_path, capsys):
     out = tmp_path / "serve.json"
     argv = ["--model", str(model), "--drafter", str(drafter), "--tree", "0,1,00", "--concurrency", "1"]
     argv += ["--rounds", "1", "--max-tokens", "8", "--max-seq-len", "64", "--dtype", "bfloat16", "--json", str(out)]
-    argv += ["--temperature", "0.8", "--top-p", "0.9"]
+    argv += ["--temperature", "0.8", "--top-p", "0.9", "--window-buckets", "32"]
     assert bench_serve.main([*argv, "--repeats", "2"]) == 0
     result = json.loads(out.read_text())
     tree = "speculative tree 0,1,00"
     # The modes take turns in an order that rotates with each repeat.
     captured = capsys.readouterr()
     progress = [line.split(" c=")[0] for line in captured.err.splitlines() if " c=1 [" in line]
-    auto = f"{tree}, --load-k auto (default)"
-    assert progress == ["plain", tree, auto, tree, auto, "plain"]
-    assert list(result["modes"]) == ["plain", tree, f"{tree}, --load-k auto (default)"]
+    auto, windows = f"{tree}, --load-k auto (default)", f"{tree}, --load-k auto, --window-buckets 32"
+    assert progress == ["plain", tree, auto, windows, tree, auto, windows, "plain"]
+    assert list(result["modes"]) == ["plain", tree, auto, windows]
+    # --window-buckets reaches its server: a 32-slot window below the default's whole-cache one, twice the graphs
+    graphs = {name: mode["graphs"] for name, mode in result["modes"].items()}
+    assert graphs[auto] > 0 and graphs[windows] > graphs[auto]
     assert result["config"]["dtype"] == "bfloat16"
     assert (result["config"]["temperature"], result["config"]["top_p"]) == (0.8, 0.9)
     assert all(set(r["steps_by_k"]) == {"2"} for r in result["modes"][tree]["levels"])  # K': the tree's depth
@@ -124,6 +127,7 @@ def test_bench_serve_refuses_a_bad_tree(capsys):
         (["--max-tokens", "-3"], "--max-tokens must be at least 1"),
         (["--temperature", "-1"], "temperature must be >= 0"),
         (["--top-p", "0"], "top_p must be in (0, 1]"),
+        (["--window-buckets", "-5"], "--window-buckets: expected 'none' or comma-separated positive sizes"),
     ],
 )
 def test_bench_serve_refuses_bad_counts(flags, message, capsys):

@@ -138,6 +138,12 @@ def test_the_graph_set_follows_the_generators_buckets():
     assert set(fixed) < set(default)
     assert not any(x in n for n in fixed for x in ("chain1", "plain_", "flush_", "_n2"))
     assert len(names) == len(set(names))
+    # window_buckets (serve --window-buckets): a 64-slot window below the whole 128-slot cache adds its graphs
+    windowed = [
+        g.name for g in all_graphs(TINY, random_drafter_config(TINY), dataclasses.replace(b, window_buckets=(64,)))
+    ]
+    assert set(names) < set(windowed) and "decode_b1_s128_w64_greedy" in windowed
+    assert "verify_b1_s128_chain2_w64_greedy" in windowed and "plain_b1_s128_c16_w64_greedy" in windowed
     with pytest.raises(BucketsError, match="adaptive_chains"):
         dataclasses.replace(b, adaptive_chains=(2,))  # as long as the draft
 
@@ -165,11 +171,15 @@ def test_an_exported_graph_runs_and_equals_the_jitted_one():
 
 def test_bucket_config_from_yaml(tmp_path):
     path = tmp_path / "b.yaml"
-    path.write_text("batch_buckets: [1, 8]\nk_values: 5\ntrees: ['0,1']\n")
+    path.write_text("batch_buckets: [1, 8]\nk_values: 5\ntrees: ['0,1']\nwindow_buckets: [256]\n")
     b = load_buckets(path)
     assert b.batch_buckets == (1, 8) and b.k_values == (5,) and b.trees == ("0,1",) and b.max_seq_len == 256
+    assert b.window_buckets == (256,)
     shipped = load_buckets(Path(__file__).resolve().parent.parent / "neuron" / "buckets.yaml")
     assert shipped.k_values == (7,) and shipped.fused and shipped.dtype == "bfloat16"
+    assert shipped.window_buckets is None  # the server's default windows
+    with pytest.raises(BucketsError, match="window_buckets"):
+        load_buckets(None, window_buckets=[0])
     path.write_text("batch_size: [1]\n")
     with pytest.raises(BucketsError, match="unknown bucket field"):
         load_buckets(path)

@@ -330,6 +330,10 @@ def test_sagemaker_defaults(tmp_path, monkeypatch):
     assert args.chains is None  # the default step lengths: a plain step or the draft
     chains = cli.resolve(cli.build_parser().parse_args(["--load-k", "auto:1,2"]))
     assert chains.adaptive_k and chains.load_k == [] and chains.chains == (1, 2)
+    assert args.window_buckets is None  # the default windows
+    windows = cli.resolve(cli.build_parser().parse_args(["--window-buckets", "1024,256"]))
+    assert windows.window_buckets == (256, 1024)
+    assert cli.resolve(cli.build_parser().parse_args(["--window-buckets", "none"])).window_buckets == ()
     other = cli.resolve(cli.build_parser().parse_args(["--model", str(tmp_path)]))
     assert other.drafter is None  # no shipped drafter for other targets
 
@@ -348,6 +352,8 @@ def test_sagemaker_defaults(tmp_path, monkeypatch):
         (["--drafter", "/nonexistent", "--load-k", "fast"], "'auto', 'auto:1', 'none'"),
         (["--drafter", "/nonexistent", "--load-k", "auto:0"], "chain lengths >= 1"),
         (["--drafter", "/nonexistent", "--load-k", "auto:one"], "chain lengths >= 1"),
+        (["--window-buckets", "0"], "--window-buckets: expected 'none' or comma-separated positive sizes"),
+        (["--window-buckets", "256,big"], "--window-buckets"),
         (["--model", "/nonexistent"], "/nonexistent"),
     ],
 )

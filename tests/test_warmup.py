@@ -69,6 +69,28 @@ def test_nothing_compiles_after_warmup(kind):
     assert sizes() == before
 
 
+def test_window_buckets_change_the_graphs_not_the_outputs():
+    """Fewer attention windows (serve --window-buckets): the steps attend over the whole cache, compile only
+    its window's graphs after the warm-up, and emit what the default windows emit."""
+    params = M.init_params(CFG, jax.random.key(0))
+    dparams = init_drafter_params(DCFG, jax.random.key(1))
+    prompt, new = [1, 2, 3, 4, 5], 140  # crosses the default 128-slot window
+
+    def run(window_buckets):
+        gen = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, max_seq_len=160, window_buckets=window_buckets)
+        gen.warmup(1, len(prompt), new, greedy_only=True)
+        before = sizes()
+        (result,) = gen.generate([prompt], max_new_tokens=new, stop_token_ids=[])
+        assert sizes() == before
+        return gen.window_buckets, result.token_ids
+
+    windows, tokens = run(None)
+    assert windows[0] == 128
+    one_window, same = run(())
+    assert one_window == (windows[-1],)
+    assert same == tokens
+
+
 def test_adaptive_warmup_times_every_step_length():
     """With the adaptive step length, the warm-up leaves a policy that already knows each step length's
     cost at the request's batch (after compiling), and nothing about acceptance."""

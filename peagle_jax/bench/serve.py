@@ -4,7 +4,8 @@ concurrency levels, speculation off and on, in one run.
 For each mode (plain; speculative with ``--drafter``, by default the shipped drafter of the embedded
 SmolLM2, or a random P-EAGLE drafter of SmolLM2's size for other models, drafting K tokens at every step
 (``--load-k none``); the server's default, which picks plain, 1 or K drafts per step by measured throughput
-(``--load-k auto``); optionally another ``--load-k`` policy) the benchmark starts a server with the same
+(``--load-k auto``); optionally another ``--load-k`` policy, and the default with other attention windows
+(``--window-buckets``)) the benchmark starts a server with the same
 model and flags and waits until its graphs are compiled; all servers stay up, and at each concurrency level c
 each mode in turn runs ``--rounds`` x c streamed completions (greedy, or sampled at ``--temperature``) from
 c client threads (each client sends its next request when the previous one ends). Per request it records
@@ -186,6 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--load-k", default="", help="also run speculation with this --load-k policy, e.g. 4:1,12:0 (default: none)"
     )
     p.add_argument(
+        "--window-buckets",
+        action="append",
+        default=[],
+        help="also run the server's default (--load-k auto) with this server --window-buckets, e.g. none "
+        "(every step attends over the whole cache); repeatable, a server each (default: none run)",
+    )
+    p.add_argument(
         "--sync",
         action="store_true",
         help="also run plain and --load-k auto with --sync-steps (each step read before the next is launched)",
@@ -217,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from peagle_jax.drafter.shipped import default_tree, resolve_drafter
+    from peagle_jax.engine.buckets import parse_window_buckets
     from peagle_jax.errors import UserError
     from peagle_jax.sampling import check_sampling_args
     from peagle_jax.spec.tree import parse_tree
@@ -228,6 +237,11 @@ def main(argv=None) -> int:
                 raise UserError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
         if args.tree:
             parse_tree(args.tree)
+        for windows in args.window_buckets:
+            try:
+                parse_window_buckets(windows)
+            except ValueError as err:
+                raise UserError(f"--window-buckets: {err}") from None
         check_sampling_args(args.temperature, 0, args.top_p)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -262,6 +276,9 @@ def main(argv=None) -> int:
     }
     if args.load_k:
         modes[f"speculative {what}, --load-k {args.load_k}"] = [*spec, "--load-k", args.load_k]
+    for windows in args.window_buckets:
+        name = f"speculative {what}, --load-k auto, --window-buckets {windows}"
+        modes[name] = [*spec, "--load-k", "auto", "--window-buckets", windows]
     if args.sync:
         modes["plain, --sync-steps"] = [*modes["plain"], "--sync-steps"]
         modes[f"speculative {what}, --load-k auto, --sync-steps"] = [*spec, "--load-k", "auto", "--sync-steps"]
@@ -300,6 +317,7 @@ def run_modes(modes: dict[str, list[str]], levels: list[int], model: str, args) 
             server.wait_ready(READY_TIMEOUT_S)
             out["modes"][name]["ready_s"] = time.perf_counter() - server.started
         for name, server in servers.items():
+            out["modes"][name]["graphs"] = int(server.metrics().get("peagle_graphs_compiled", 0))
             # What the adaptive policy's warm-up calibrated (empty for the other modes): why it drafts or not.
             if calibrated := policy_step_ms(server.metrics()):
                 out["modes"][name]["calibrated_step_ms"] = calibrated

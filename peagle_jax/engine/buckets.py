@@ -19,6 +19,23 @@ WINDOW_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 ONE_ROW_PAD = 8
 
 
+def parse_window_buckets(text: str | None) -> tuple[int, ...] | None:
+    """``--window-buckets``: None (the default: :data:`WINDOW_BUCKETS`), ``'none'`` -> () (only the whole
+    cache), else comma-separated positive sizes, e.g. ``'256,1024'``. Raises ValueError naming the text."""
+    if text is None:
+        return None
+    text = text.strip()
+    if text == "none":
+        return ()
+    try:
+        sizes = tuple(sorted({int(x) for x in text.split(",")}))
+    except ValueError:
+        sizes = ()
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"expected 'none' or comma-separated positive sizes, e.g. 256,1024; got {text!r}")
+    return sizes
+
+
 def bucket(n: int, buckets: Sequence[int]) -> int:
     """Smallest bucket >= n (the largest bucket when n exceeds them all; callers chunk then)."""
     for b in buckets:

@@ -91,9 +91,13 @@ class Generator:
         batch_buckets: Sequence[int] = BATCH_BUCKETS,
         slack: int = 0,
         mesh=None,
+        window_buckets: Sequence[int] | None = None,
     ):
         """``mesh`` (a :func:`peagle_jax.sharding.make_mesh` mesh) runs tensor-parallel: the parameters and
-        every KV cache are placed sharded on it, and jit partitions the graphs."""
+        every KV cache are placed sharded on it, and jit partitions the graphs. ``window_buckets``: the
+        attention windows below the whole cache that steps attend over (default :data:`WINDOW_BUCKETS`;
+        empty: every step attends over the whole cache); each is a graph per step kind, so fewer windows
+        compile fewer graphs and make a short context's steps attend over more slots."""
         if max_seq_len < 2:
             raise RequestError(f"max_seq_len must be >= 2, got {max_seq_len}")
         self.mesh = mesh
@@ -112,7 +116,8 @@ class Generator:
         # (half the cache memory, and one window's graphs fewer to compile).
         chunk = self.prefill_buckets[-1]
         self.num_slots = max(-(-max_seq_len // chunk) * chunk, max_seq_len + slack)
-        self.window_buckets = tuple(w for w in WINDOW_BUCKETS if w < max_seq_len) + (self.num_slots,)
+        below = WINDOW_BUCKETS if window_buckets is None else sorted(set(window_buckets))
+        self.window_buckets = tuple(w for w in below if w < max_seq_len) + (self.num_slots,)
         self.stats = StepStats()
         # Whether the serving engine's steps also return the emitted tokens' raw log-probabilities (a static
         # flag of the step graphs: :mod:`peagle_jax.logprobs`); the batch generators leave it off.

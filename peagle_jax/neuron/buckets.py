@@ -17,6 +17,7 @@ families to build. Example (``neuron/buckets.yaml``)::
     sampling: true     # also the sampling variants (temperature > 0), besides greedy
     adaptive: true     # also plain steps inside each K's cache (serve --load-k auto)
     adaptive_chains: [] # with adaptive, also a chain of each length inside each K's cache (serve --load-k auto:1)
+    window_buckets: null # attention windows below max_seq_len (serve --window-buckets; null: 128, 256, ...)
     dtype: bfloat16
 """
 
@@ -47,6 +48,7 @@ class ServingBuckets:
     sampling: bool = True
     adaptive: bool = True
     adaptive_chains: tuple[int, ...] = ()
+    window_buckets: tuple[int, ...] | None = None
     dtype: str = "bfloat16"
 
     def __post_init__(self):
@@ -63,6 +65,8 @@ class ServingBuckets:
                 f"adaptive_chains {too_long}: each must be shorter than every draft (k_values, trees: depth "
                 f"{min(depths)})"
             )
+        if self.window_buckets is not None and any(not isinstance(w, int) or w < 1 for w in self.window_buckets):
+            raise BucketsError(f"window_buckets must be positive integers or null, got {list(self.window_buckets)}")
         if self.max_seq_len < 2:
             raise BucketsError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if self.dtype not in ("float32", "bfloat16"):
@@ -88,8 +92,8 @@ def load_buckets(path: str | Path | None = None, **overrides) -> ServingBuckets:
     unknown = sorted(set(values) - fields)
     if unknown:
         raise BucketsError(f"unknown bucket field(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
-    for name in ("batch_buckets", "prefill_buckets", "k_values", "trees", "adaptive_chains"):
-        if name in values:
+    for name in ("batch_buckets", "prefill_buckets", "k_values", "trees", "adaptive_chains", "window_buckets"):
+        if name in values and values[name] is not None:
             v = values[name]
             values[name] = tuple(v) if isinstance(v, list | tuple) else (v,)
     return ServingBuckets(**values)

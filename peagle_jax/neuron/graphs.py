@@ -150,6 +150,7 @@ def plain_graphs(cfg, params, buckets: ServingBuckets, mesh=None) -> list[Graph]
         max_seq_len=buckets.max_seq_len,
         prefill_buckets=buckets.prefill_buckets,
         batch_buckets=buckets.batch_buckets,
+        window_buckets=buckets.window_buckets,
     )
     S, V = gen.num_slots, cfg.vocab_size
     modes = (True, False) if buckets.sampling else (True,)
@@ -185,6 +186,7 @@ def speculative_graphs(cfg, params, dcfg, dparams, buckets: ServingBuckets, tree
         prefill_buckets=buckets.prefill_buckets,
         batch_buckets=buckets.batch_buckets,
         slack=cache_slack(tree),
+        window_buckets=buckets.window_buckets,
     )
     S, K = gen.num_slots, tree.depth
     C, Q, X = K + 1, queue_slots(K), len(cfg.aux_layer_ids) * cfg.hidden_size

@@ -24,6 +24,7 @@ import uvicorn
 
 from peagle_jax import errors
 from peagle_jax.drafter.shipped import DEFAULT_FOR_MODEL, check_speculation_flags, default_tree, resolve_drafter
+from peagle_jax.engine.buckets import parse_window_buckets
 from peagle_jax.errors import UserError
 
 SAGEMAKER_MODEL_DIR = Path("/opt/ml/model")
@@ -87,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=8, help="slots: requests decoded together (default 8)")
     p.add_argument(
         "--max-seq-len", type=int, default=2048, help="context per request: prompt + max_tokens (default 2048)"
+    )
+    p.add_argument(
+        "--window-buckets",
+        default=None,
+        help="attention windows below --max-seq-len, comma-separated, e.g. 512: a step attends over the "
+        "smallest one covering its context, or over the whole cache past them ('none': always the whole "
+        "cache). Each window is a set of graphs to compile; fewer make short contexts' steps slower "
+        "(default: 128,256,512,... below --max-seq-len)",
     )
     p.add_argument(
         "--max-queue", type=int, default=64, help="requests waiting for a slot before 429 answers (default 64)"
@@ -186,6 +195,10 @@ def resolve(args) -> argparse.Namespace:
             raise UserError(f"{flag} must be >= {low}, got {value}")
     if not 0 <= args.port < 65536:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
+    try:
+        args.window_buckets = parse_window_buckets(args.window_buckets)
+    except ValueError as err:
+        raise UserError(f"--window-buckets: {err}") from None
     from peagle_jax.models.tensors import parse_size
 
     args.max_body_size = parse_size(args.max_body_size)
@@ -248,6 +261,7 @@ def load(args):
         tree=args.tree,
         sequential=args.sequential,
         fused=args.fused,
+        window_buckets=args.window_buckets,
     )
     gen = build_generator(opts, model_dir)
     stops = set(gen.cfg.eos_token_ids)
