@@ -10,6 +10,7 @@ import pytest
 from serve_fixtures import write_tiny_drafter, write_tiny_model
 
 from peagle_jax.bench import serve as bench_serve
+from peagle_jax.errors import UserError
 from peagle_jax.spec.state import SpecStats
 
 
@@ -133,3 +134,23 @@ def test_bench_serve_refuses_a_bad_tree(capsys):
 def test_bench_serve_refuses_bad_counts(flags, message, capsys):
     assert bench_serve.main(flags) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_serve_modes_from_flags(tmp_path, monkeypatch, capsys):
+    """--no-fixed leaves out the mode drafting at every step; each --window-buckets adds the default with
+    those windows."""
+    seen = {}
+
+    def record(modes, levels, model, args):
+        seen.update(modes)
+        raise UserError("recorded")
+
+    monkeypatch.setattr(bench_serve, "run_modes", record)
+    drafter = write_tiny_drafter(tmp_path / "drafter", k=2)
+    argv = ["--model", str(write_tiny_model(tmp_path / "target")), "--drafter", str(drafter), "--k", "2"]
+    argv += ["--no-fixed", "--window-buckets", "none", "--window-buckets", "256,1024"]
+    assert bench_serve.main(argv) == 1 and "error: recorded" in capsys.readouterr().err
+    auto = "speculative K=2, --load-k auto"
+    windows = [f"{auto}, --window-buckets none", f"{auto}, --window-buckets 256,1024"]
+    assert list(seen) == ["plain", f"{auto} (default)", *windows]
+    assert seen[f"{auto}, --window-buckets 256,1024"][-2:] == ["--window-buckets", "256,1024"]

@@ -194,6 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(every step attends over the whole cache); repeatable, a server each (default: none run)",
     )
     p.add_argument(
+        "--no-fixed",
+        action="store_true",
+        help="leave out the speculative mode that drafts at every step (--load-k none): one server fewer "
+        "(each holds its compiled graphs: several GiB at long --max-seq-len)",
+    )
+    p.add_argument(
         "--sync",
         action="store_true",
         help="also run plain and --load-k auto with --sync-steps (each step read before the next is launched)",
@@ -274,6 +280,8 @@ def main(argv=None) -> int:
         f"speculative {what}": [*spec, "--load-k", "none"],
         f"speculative {what}, --load-k auto (default)": [*spec, "--load-k", "auto"],
     }
+    if args.no_fixed:
+        del modes[f"speculative {what}"]
     if args.load_k:
         modes[f"speculative {what}, --load-k {args.load_k}"] = [*spec, "--load-k", args.load_k]
     for windows in args.window_buckets:

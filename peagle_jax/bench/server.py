@@ -23,6 +23,11 @@ def parse_metrics(text: str) -> dict[str, float]:
     return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in lines)}
 
 
+class ServerExited(UserError, OSError):
+    """The server process is gone: a user error (the benchmark ends with its one line) that callers polling
+    an unreachable server (an OSError) see as that."""
+
+
 class ServerProcess:
     """One server: ``host`` (``127.0.0.1:PORT``), ``url`` (``http://`` + host), ``port``, ``proc``, ``log``,
     and ``started`` (``time.perf_counter()`` just before the process was spawned)."""
@@ -39,14 +44,26 @@ class ServerProcess:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
 
     def get(self, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
-        """``GET path``: (status, body), an HTTP error status included; OSError where nothing answers."""
+        """``GET path``: (status, body), an HTTP error status included; OSError where nothing answers, and
+        :meth:`exited` where that is because the server has exited."""
         conn = http.client.HTTPConnection(self.host, timeout=timeout)
         try:
             conn.request("GET", path)
             r = conn.getresponse()
             return r.status, r.read()
+        except OSError as err:
+            if not isinstance(err, ServerExited) and self.proc.poll() is not None:
+                raise self.exited() from None
+            raise
         finally:
             conn.close()
+
+    def exited(self) -> ServerExited:
+        """The error of a server that has exited: its status (a kill by signal 9 on Linux is most often the
+        kernel's out-of-memory killer) and its log."""
+        code = self.proc.returncode
+        why = " (killed: out of memory?)" if code == -9 else ""
+        return ServerExited(f"the server exited with status {code}{why}; its log: {self.log}")
 
     def metrics(self) -> dict[str, float]:
         """/metrics as {sample name with its labels: value}."""
@@ -65,7 +82,7 @@ class ServerProcess:
         not listening yet) and return it; ``timeout`` counts from the server's start."""
         while time.perf_counter() - self.started < timeout:
             if self.proc.poll() is not None:
-                raise UserError(f"the server exited with status {self.proc.returncode}; its log: {self.log}")
+                raise self.exited()
             try:
                 value = done()
             except OSError:
