@@ -325,9 +325,10 @@ def run_modes(modes: dict[str, list[str]], levels: list[int], model: str, args) 
             server.wait_ready(READY_TIMEOUT_S)
             out["modes"][name]["ready_s"] = time.perf_counter() - server.started
         for name, server in servers.items():
-            out["modes"][name]["graphs"] = int(server.metrics().get("peagle_graphs_compiled", 0))
+            metrics = server.metrics()
+            out["modes"][name]["graphs"] = int(metrics.get("peagle_graphs_compiled", 0))
             # What the adaptive policy's warm-up calibrated (empty for the other modes): why it drafts or not.
-            if calibrated := policy_step_ms(server.metrics()):
+            if calibrated := policy_step_ms(metrics):
                 out["modes"][name]["calibrated_step_ms"] = calibrated
         for c in levels:
             for server in servers.values():
