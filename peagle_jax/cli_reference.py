@@ -37,6 +37,7 @@ COMMANDS: list[tuple[str, str, str]] = [
             "grammar",
             "linear",
             "load",
+            "regen",
             "sampling",
             "serve",
             "soak",

@@ -129,8 +129,10 @@ def test_recipe_keys_are_checked(tmp_path):
     (tmp_path / "r.yaml").write_text("data:\n  regen_endpoints: [http://a:1, http://b:2/v1]\n")
     assert load_recipe(tmp_path / "r.yaml").data.regen_endpoints == "http://a:1,http://b:2/v1"
     assert load_recipe(None, ["data.regen_endpoints=[http://c:3]"]).data.regen_endpoints == "http://c:3"
-    with pytest.raises(ConfigError, match="regen_endpoints expects a str"):
+    with pytest.raises(ConfigError, match="data.regen_endpoints must be comma-separated http:// or https:// URLs"):
         load_recipe(None, ["data.regen_endpoints=[1, 2]"])
+    with pytest.raises(ConfigError, match="regen_endpoints expects a str"):
+        load_recipe(None, ["data.regen_endpoints={a: 1}"])
     with pytest.raises(ConfigError, match="data.regen_endpoints must be comma-separated http:// or https:// URLs"):
         DataConfig(regen_endpoints="a:1")
     with pytest.raises(ConfigError, match="data.regen_concurrency must be >= 1"):

@@ -18,6 +18,13 @@ def build_parser() -> ArgumentParser:
     )
     p.add_argument("--config", required=True, help="the YAML recipe (see train/configs/)")
     p.add_argument("--output", required=True, help="run directory; the drafter lands in OUTPUT/drafter")
+    p.add_argument(
+        "--until",
+        choices=("data", "features", "train"),
+        default="train",
+        help="stop after this stage: data (the regenerated answers), features (the feature cache too) or train "
+        "(the whole run, the default); running again with a later stage continues",
+    )
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="recipe overrides, e.g. optim.lr=1e-4")
     return p
 
@@ -62,16 +69,19 @@ def preflight(recipe, output: str) -> None:
 
 def main(argv=None) -> None:
     """Run (or resume) the recipe; a bad flag, recipe or input exits with status 2 and one ``error:`` line."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
     from peagle_jax.train.pipeline import run
     from peagle_jax.train.recipe import load_recipe
 
     try:
         recipe = load_recipe(args.config, args.overrides)
         preflight(recipe, args.output)
-        summary = run(recipe, args.output, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        summary = run(recipe, args.output, log=lambda msg: print(msg, file=sys.stderr, flush=True), until=args.until)
     except (UserError, ValueError) as e:
         sys.exit(report(e))
+    if "stage" in summary:
+        print(f"done: stopped after the {summary['stage']} stage in {args.output}")
+        return
     last = summary["last_eval"] or summary["last_train"]
     acc = ", ".join("-" if a is None else f"{a:.2f}" for a in (last or {}).get("acc_K", []))
     print(f"done: {summary['steps']} steps, drafter in {summary['drafter']}; per-depth top-1 accuracy: {acc}")

@@ -89,8 +89,11 @@ def _coerce(cls, key: str, value: Any, kind: type) -> Any:
     if kind is str:
         if isinstance(value, str):
             return value
-        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
-            return ",".join(value)
+        if isinstance(value, int | float):  # a one-value list key (data.extra_temperatures: 0.8)
+            return str(value)
+        if isinstance(value, list) and value and all(isinstance(v, str | int | float) for v in value):
+            if not any(isinstance(v, bool) for v in value):
+                return ",".join(str(v) for v in value)
         raise bad
     if kind is int:
         if isinstance(value, int):

@@ -18,6 +18,7 @@ from peagle_jax.train.cod import cod_batch, max_elements
 from peagle_jax.train.features import FeatureCache, target_features
 from peagle_jax.train.objective import PEagleBatch
 from peagle_jax.train.pack import PackedRows, training_layout
+from peagle_jax.train.prompts import held_out_score
 
 
 class TrainData:
@@ -129,10 +130,21 @@ class LazyRows:
         return np.asarray(self.memo[key][self.which])[(slice(None), *index[1:])]
 
 
-def split_rows(num_rows: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(train ids, held-out ids): a seeded shuffle, at least one row each when there are two or more."""
-    perm = np.random.default_rng((seed, 0)).permutation(num_rows)
-    n_eval = int(round(num_rows * eval_fraction))
-    if eval_fraction > 0 and num_rows >= 2:
-        n_eval = min(max(n_eval, 1), num_rows - 1)
-    return np.sort(perm[n_eval:]), np.sort(perm[:n_eval])
+def split_records(records: list[dict], eval_fraction: float) -> tuple[list[dict], list[dict]]:
+    """``(train, held-out)`` records, split by conversation (a record's ``conversation``, else its ``index``):
+    those scoring below ``eval_fraction`` (:func:`peagle_jax.train.prompts.held_out_score`) are held out, so
+    every turn and every temperature's answer of a conversation lands on the same side, and a conversation
+    stays on its side as the data grows. With two or more conversations each side gets at least one."""
+
+    def key(r):
+        return r.get("conversation", r["index"])
+
+    score = {c: held_out_score(c) for c in {key(r) for r in records}}
+    held = {c for c, s in score.items() if s < eval_fraction}
+    if eval_fraction > 0 and len(score) >= 2:
+        ranked = sorted(score, key=score.get)
+        if not held:
+            held = {ranked[0]}
+        elif len(held) == len(score):
+            held.discard(ranked[-1])
+    return [r for r in records if key(r) not in held], [r for r in records if key(r) in held]

@@ -41,21 +41,22 @@ def conversation(record: dict) -> tuple[list[int], list[int]]:
 
 def pack(conversations: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: int) -> PackedRows:
     """First-fit-decreasing packing into rows of ``seq_len`` slots (deterministic: ties keep input order).
-    Conversations of fewer than 3 tokens carry no training signal and are dropped."""
+    Conversations of fewer than 3 tokens carry no training signal and are dropped. The first row with room
+    is found in a tree of the rows' free slots (log time per conversation: millions of tokens pack in
+    seconds)."""
     items = [(list(x)[:seq_len], list(m)[:seq_len]) for x, m in conversations if len(x) >= 3]
     order = sorted(range(len(items)), key=lambda i: -len(items[i][0]))
     rows: list[list[int]] = []
-    free: list[int] = []
+    free = _FreeTree(len(items))
     for i in order:
         n = len(items[i][0])
-        for r, f in enumerate(free):
-            if f >= n:
-                rows[r].append(i)
-                free[r] -= n
-                break
-        else:
-            rows.append([i])
-            free.append(seq_len - n)
+        r = free.first_at_least(n)
+        if r < 0:
+            r = len(rows)
+            rows.append([])
+            free.set(r, seq_len)
+        rows[r].append(i)
+        free.set(r, free.get(r) - n)
     B = len(rows)
     out = PackedRows(
         np.zeros((B, seq_len), np.int32),
@@ -74,6 +75,39 @@ def pack(conversations: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: 
             out.response[r, at : at + n] = m
             at += n
     return out
+
+
+class _FreeTree:
+    """Free slots per row in a max segment tree: the first row with at least n free slots in O(log rows)."""
+
+    def __init__(self, capacity: int):
+        self.size = 1 << max(capacity, 1).bit_length()
+        self.tree = [-1] * (2 * self.size)  # -1: no row there yet
+
+    def get(self, r: int) -> int:
+        return self.tree[self.size + r]
+
+    def set(self, r: int, value: int) -> None:
+        i = self.size + r
+        self.tree[i] = value
+        i //= 2
+        while i:
+            self.tree[i] = max(self.tree[2 * i], self.tree[2 * i + 1])
+            i //= 2
+
+    def first_at_least(self, n: int) -> int:
+        """The lowest row index with at least ``n`` free slots, or -1."""
+        if self.tree[1] < n:
+            return -1
+        i = 1
+        while i < self.size:
+            i = 2 * i if self.tree[2 * i] >= n else 2 * i + 1
+        return i - self.size
+
+
+def concat_rows(a: PackedRows, b: PackedRows) -> PackedRows:
+    """The rows of ``a`` then those of ``b`` (the same row length)."""
+    return PackedRows(*(np.concatenate([x, y]) for x, y in zip(a, b, strict=True)))
 
 
 def _next(a_BT: np.ndarray, k: int, fill) -> np.ndarray:

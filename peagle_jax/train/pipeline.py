@@ -14,6 +14,7 @@ skips finished regeneration shards and feature chunks and continues training fro
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ from peagle_jax.drafter.model import init_drafter_params
 from peagle_jax.engine.generator import Generator
 from peagle_jax.models.config import ConfigError, ModelConfig
 from peagle_jax.train import mesh as meshlib
-from peagle_jax.train.data import TrainData, split_rows
+from peagle_jax.train.data import TrainData, split_records
 from peagle_jax.train.endpoints import EndpointGenerator, parse_endpoints
 from peagle_jax.train.features import build_cache
 from peagle_jax.train.loop import (
@@ -42,10 +43,10 @@ from peagle_jax.train.loop import (
     summarize,
     truncate_jsonl,
 )
-from peagle_jax.train.pack import conversation, pack, packing_stats
-from peagle_jax.train.prompts import DataError, load_prompts
+from peagle_jax.train.pack import concat_rows, conversation, pack, packing_stats
+from peagle_jax.train.prompts import DataError, load_prompt_items
 from peagle_jax.train.recipe import Recipe, recipe_dict
-from peagle_jax.train.regen import chat_prompt_ids, read_shards, regenerate
+from peagle_jax.train.regen import cached_prompt_ids, chat_prompt_ids, fitted_prompt_ids, read_shards, regenerate
 from peagle_jax.train.target import drafter_layer, random_target, save_random_target
 from peagle_jax.train.vocab import coverage, draft_vocab, token_counts, unused_token_id
 
@@ -144,49 +145,91 @@ def dataset_records(recipe: Recipe, cfg, tokenizer, log) -> list[dict]:
     dataset``): the answer's tokens cut at ``max_new_tokens``, an answer that fits ends with EOS as a
     generated one does."""
     dc = recipe.data
-    exchanges = load_prompts(dc.prompts, dc.max_prompts or None, replies=True)
+    exchanges = load_prompt_items(dc.prompts, dc.max_prompts or None, replies=True)
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else cfg.eos_token_ids[0]
     records, skipped = [], 0
-    for i, messages in enumerate(tqdm(exchanges, desc="tokenize", unit="answer", disable=not recipe.run.progress)):
+    bar = tqdm(exchanges, desc="tokenize", unit="answer", disable=not recipe.run.progress)
+    for i, (conv, messages) in enumerate(bar):
         prompt_ids = chat_prompt_ids(tokenizer, messages[:-1])
         if len(prompt_ids) > dc.max_prompt_tokens:
             skipped += 1
             continue
         answer = tokenizer.encode(messages[-1]["content"], add_special_tokens=False)
         response = answer[: dc.max_new_tokens] if len(answer) >= dc.max_new_tokens else answer + [eos]
-        records.append({"index": i, "prompt_ids": prompt_ids, "response_ids": response})
+        records.append({"index": i, "conversation": conv, "prompt_ids": prompt_ids, "response_ids": response})
     log(f"dataset answers: {len(records)} from {dc.prompts} ({skipped} prompts skipped as too long)")
     if not records:
         raise DataError("no prompt fits data.max_prompt_tokens; nothing to train on")
     return records
 
 
-def regenerated_records(recipe: Recipe, out: Path, cfg, params, tokenizer, log) -> list[dict]:
+def regen_generator(recipe: Recipe, cfg, params, log):
+    """What answers the prompts: the recipe's servers, the slot engine (``data.regen_slots``) or the batch
+    generator, over the target in ``data.regen_dtype``."""
     dc = recipe.data
-    prompts = load_prompts(dc.prompts, dc.max_prompts or None)
-    log(f"prompts: {len(prompts)} from {dc.prompts}")
-    prompt_ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
     if dc.regen_endpoints:
         urls = parse_endpoints(dc.regen_endpoints)
         gen = EndpointGenerator(urls, concurrency=dc.regen_concurrency)
         log(f"regenerating through {len(urls)} server(s) of {gen.model}: {', '.join(urls)}")
-    else:
-        gen = Generator(cfg, params, max_seq_len=dc.max_prompt_tokens + dc.max_new_tokens)
+        return gen
+    if dc.regen_dtype != cfg.dtype:
+        from peagle_jax.checkpoint import cast_floats
+
+        cfg, params = cfg.replace(dtype=dc.regen_dtype), cast_floats(params, dc.regen_dtype)
+    seq = dc.max_prompt_tokens + dc.max_new_tokens
+    if dc.regen_slots:
+        from peagle_jax.train.slot_regen import SlotGenerator
+
+        log(f"regenerating with continuous batching over {dc.regen_slots} slots in {dc.regen_dtype}")
+        return SlotGenerator(cfg, params, slots=dc.regen_slots, max_seq_len=seq)
+    return Generator(cfg, params, max_seq_len=seq)
+
+
+def regen_dir(out: Path, k: int, temperature: float) -> Path:
+    """The shards of the recipe's k-th temperature: ``regen/`` for ``data.temperature``, ``regen-tT/`` for
+    each of ``data.extra_temperatures``."""
+    return out / "regen" if k == 0 else out / f"regen-t{temperature:g}"
+
+
+def regenerated_records(recipe: Recipe, out: Path, cfg, params, tokenizer, log) -> list[dict]:
+    dc = recipe.data
+    items = load_prompt_items(dc.prompts, dc.max_prompts or None, turns=dc.turns)
+    log(f"prompts: {len(items)} from {dc.prompts} ({dc.turns} user turns)")
+
+    def tokenize():
+        bar = tqdm(items, desc="tokenize", unit="prompt", disable=not recipe.run.progress)
+        return [fitted_prompt_ids(tokenizer, p, dc.max_prompt_tokens) for _, p in bar]
+
+    key = {
+        "prompts": [[c, p] for c, p in items],
+        "max_prompt_tokens": dc.max_prompt_tokens,
+        "chat_template": tokenizer.chat_template,
+        "vocab": len(tokenizer),
+    }
+    key = {"digest": hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()}
+    prompt_ids = cached_prompt_ids(out / "regen" / "prompt_ids.npz", key, tokenize)
+    gen = regen_generator(recipe, cfg, params, log)
     stops = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-    shards = regenerate(
-        gen,
-        prompt_ids,
-        out / "regen",
-        max_prompt_tokens=dc.max_prompt_tokens,
-        max_new_tokens=dc.max_new_tokens,
-        batch=dc.regen_batch,
-        shard_size=dc.shard_size,
-        temperature=dc.temperature,
-        stop_token_ids=sorted(stops),
-        progress=recipe.run.progress,
-    )
-    records = read_shards(shards)
-    log(f"regenerated: {len(records)} responses ({len(prompt_ids) - len(records)} prompts skipped as too long)")
+    records = []
+    for k, temperature in enumerate(dc.temperatures):
+        shards = regenerate(
+            gen,
+            prompt_ids,
+            regen_dir(out, k, temperature),
+            max_prompt_tokens=dc.max_prompt_tokens,
+            max_new_tokens=dc.max_new_tokens,
+            batch=dc.regen_batch,
+            shard_size=dc.shard_size,
+            temperature=temperature,
+            stop_token_ids=sorted(stops),
+            progress=recipe.run.progress,
+            dtype=dc.regen_dtype,
+            conversations=[c for c, _ in items],
+            desc=f"regenerate (temperature {temperature:g})",
+        )
+        records.extend(read_shards(shards))
+    per = len(records) // len(dc.temperatures)
+    log(f"regenerated: {len(records)} responses ({len(prompt_ids) - per} prompts skipped as too long)")
     if not records:
         raise DataError("no prompt fits data.max_prompt_tokens; nothing to train on")
     return records
@@ -214,8 +257,15 @@ def evaluate(state, data: TrainData, head, embed, *, dcfg, tcfg, K, batches: int
     return record
 
 
-def run(recipe: Recipe, output: str | Path, *, log=print) -> dict:
-    """Run (or resume) the whole pipeline into ``output``; returns a summary dict."""
+STAGES = ("data", "features", "train")
+
+
+def run(recipe: Recipe, output: str | Path, *, log=print, until: str = "train") -> dict:
+    """Run (or resume) the pipeline into ``output`` up to stage ``until`` (:data:`STAGES`: ``data`` stops
+    after the regenerated or dataset answers, ``features`` after the feature cache too); returns a summary
+    dict (``{"stage": until, ...}`` when it stops early)."""
+    if until not in STAGES:
+        raise ConfigError(f"until {until!r}: expected one of {', '.join(STAGES)}")
     t_start = time.perf_counter()
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
@@ -245,7 +295,14 @@ def run(recipe: Recipe, output: str | Path, *, log=print) -> dict:
             "regeneration", lambda: regenerated_records(recipe, out, cfg, params, tokenizer, log)
         )
 
-    rows = pack([conversation(r) for r in records], bc.seq_len)
+    if until == "data":
+        tokens = sum(len(r["response_ids"]) for r in records)
+        log(f"data ready: {len(records)} answers, {tokens} answer tokens")
+        return {"stage": until, "responses": len(records), "response_tokens": tokens}
+    train_records, eval_records = split_records(records, recipe.run.eval_fraction)
+    rows = pack([conversation(r) for r in train_records], bc.seq_len)
+    n_train = rows.tokens.shape[0]
+    rows = concat_rows(rows, pack([conversation(r) for r in eval_records], bc.seq_len))
     stats = packing_stats(rows)
     log(
         f"packed: {stats['conversations']} conversations into {stats['rows']} rows of {bc.seq_len}, "
@@ -284,7 +341,7 @@ def run(recipe: Recipe, output: str | Path, *, log=print) -> dict:
     head = jnp.asarray(target_head(params))[jnp.asarray(used)]
     embed = None if dcfg.own_embedding else jnp.asarray(params["embed_tokens"])
 
-    train_ids, eval_ids = split_rows(stats["rows"], recipe.run.eval_fraction, tcfg.seed)
+    train_ids, eval_ids = np.arange(n_train), np.arange(n_train, stats["rows"])
     common = dict(
         batch_size=bc.batch_size,
         num_depths=K,
@@ -310,6 +367,9 @@ def run(recipe: Recipe, output: str | Path, *, log=print) -> dict:
         )
     else:
         source_kw = dict(target=(params, cfg))
+    if until == "features":
+        log(f"features ready: {stats['rows']} rows" + (f" in {out / 'features'}" if bc.features == "cached" else ""))
+        return {"stage": until, "rows": stats["rows"]}
     train = TrainData(rows, train_ids, seed=tcfg.seed, **common, **source_kw)
     held = TrainData(rows, eval_ids, seed=tcfg.seed + 1, **common, **source_kw) if len(eval_ids) else None
 

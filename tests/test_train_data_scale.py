@@ -1,0 +1,161 @@
+"""Training data at scale: every user turn as a prompt, history fitted to the prompt budget, the held-out split
+fixed by conversation, packing in log time, continuous-batching regeneration, several temperatures, and
+``--until``."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from peagle_jax.engine.generator import Generator
+from peagle_jax.models import model
+from peagle_jax.models.config import ModelConfig
+from peagle_jax.train.data import split_records
+from peagle_jax.train.pack import pack
+from peagle_jax.train.prompts import held_out_score, load_prompt_items, turn_prompts
+from peagle_jax.train.regen import fitted_prompt_ids, read_shards, regenerate
+from peagle_jax.train.slot_regen import SlotGenerator
+
+CFG = ModelConfig(
+    family="llama",
+    vocab_size=101,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    eos_token_ids=(3,),
+)
+
+
+def _msg(role, content):
+    return {"role": role, "content": content}
+
+
+def test_every_user_turn_is_a_prompt_with_its_history(tmp_path):
+    conv = [_msg("system", "s"), _msg("user", "a"), _msg("assistant", "A"), _msg("user", " "), _msg("user", "b")]
+    assert turn_prompts(conv) == [conv[:2], conv]
+    lines = [
+        {"messages": conv},
+        {"messages": [_msg("user", "q"), _msg("assistant", "Q"), _msg("user", "r")]},
+    ]
+    path = tmp_path / "c.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    first = load_prompt_items(str(path))
+    assert [c for c, _ in first] == [1, 2] and first[0][1] == conv[:2]
+    every = load_prompt_items(str(path), turns="all")
+    assert sorted((c, len(p)) for c, p in every) == [(1, 2), (1, 5), (2, 1), (2, 3)]
+    # A fixed order: the same every time, and a smaller limit is a prefix of a larger one.
+    assert load_prompt_items(str(path), turns="all") == every
+    assert load_prompt_items(str(path), 3, turns="all") == every[:3]
+
+
+class _Tok:
+    """A chat template of one id per character plus 2 per message: lengths are easy to reason about."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        ids = []
+        for m in messages:
+            ids += [1] + [ord(c) % 90 + 5 for c in m["content"]] + [2]
+        return ids + [4]
+
+
+def test_a_long_history_keeps_its_latest_turns():
+    tok = _Tok()
+    conv = [_msg("system", "sys"), _msg("user", "u" * 10), _msg("assistant", "a" * 10)]
+    conv += [_msg("user", "v" * 10), _msg("assistant", "b" * 10), _msg("user", "w" * 10)]
+    whole = fitted_prompt_ids(tok, conv, 1000)
+    assert len(whole) == 5 + 5 * 12 + 1
+    # 40 tokens: the system message (5) and the last user turn (12) + the generation prompt fit, and one pair
+    # more (24) does too; two pairs more do not.
+    cut = fitted_prompt_ids(tok, conv, 42)
+    assert cut == tok.apply_chat_template([conv[0]] + conv[3:], True, True)
+    alone = fitted_prompt_ids(tok, conv, 20)
+    assert alone == tok.apply_chat_template([conv[0], conv[5]], True, True)
+    # Too long even alone: the ids come back whole (regenerate skips the prompt and says why).
+    assert len(fitted_prompt_ids(tok, conv, 10)) == len(whole)
+
+
+def test_the_held_out_split_is_fixed_per_conversation():
+    records = [{"index": i, "conversation": i // 3, "response_ids": [i]} for i in range(600)]
+    train, held = split_records(records, 0.1)
+    held_convs = {r["conversation"] for r in held}
+    assert held_convs == {c for c in range(200) if held_out_score(c) < 0.1}
+    assert 5 <= len(held_convs) <= 40
+    assert not held_convs & {r["conversation"] for r in train}  # every turn of a conversation on one side
+    # More data (new conversations, a second temperature's answers) moves no conversation across.
+    more = records + [{"index": 600 + i, "conversation": i // 2, "response_ids": [0]} for i in range(800)]
+    _, held2 = split_records(more, 0.1)
+    assert {r["conversation"] for r in held2} & set(range(200)) == held_convs
+    # Tiny data: at least one conversation on each side.
+    few = records[:6]
+    t, h = split_records(few, 0.01)
+    assert len(h) == 3 and len(t) == 3
+    assert split_records(few, 0.0) == (few, [])
+
+
+def _first_fit_reference(lengths, seq_len):
+    rows, free = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for r, f in enumerate(free):
+            if f >= lengths[i]:
+                rows[r].append(i)
+                free[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            free.append(seq_len - lengths[i])
+    return rows
+
+
+def test_packing_is_first_fit_decreasing():
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(3, 200, 400).tolist()
+    convs = [([7] * n, [1] * n) for n in lengths]
+    rows = pack(convs, 256)
+    want = _first_fit_reference(lengths, 256)
+    assert rows.tokens.shape[0] == len(want)
+    for r, members in enumerate(want):
+        assert [int((rows.document[r] == d).sum()) for d in range(len(members))] == [lengths[i] for i in members]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_continuous_batching_regenerates_what_the_batch_generator_does(tmp_path, temperature):
+    params = model.init_params(CFG, jax.random.key(1))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(5, 100, int(n)).tolist() for n in rng.integers(2, 30, 11)]
+    kw = dict(max_prompt_tokens=24, max_new_tokens=12, shard_size=6, temperature=temperature, progress=False)
+    batch = regenerate(Generator(CFG, params, max_seq_len=40), prompts, tmp_path / "b", batch=4, **kw)
+    slots = regenerate(
+        SlotGenerator(CFG, params, slots=3, max_seq_len=40), prompts, tmp_path / "s", batch=len(prompts),
+        conversations=list(range(100, 111)), **kw,
+    )  # fmt: skip
+    a, b = read_shards(batch), read_shards(slots)
+    assert len(a) == len(b) == sum(len(p) <= 24 for p in prompts)
+    for x, y in zip(a, b, strict=True):
+        assert (x["index"], x["response_ids"], x["finish_reason"]) == (
+            y["index"],
+            y["response_ids"],
+            y["finish_reason"],
+        )
+        assert y["conversation"] == 100 + y["index"]
+    assert json.loads((tmp_path / "s" / "regen.json").read_text())["dtype"] == "float32"
+
+
+def test_until_stops_after_the_data_with_every_temperature(tmp_path):
+    from peagle_jax.train.cli import main
+
+    out = tmp_path / "run"
+    main([
+        "--config", "train/configs/tiny.yaml", "data.max_prompts=16", "--output", str(out), "data.turns=all",
+        "data.regen_slots=4", "data.extra_temperatures=1.0", "--until", "data", "run.progress=false",
+    ])  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == ["regen", "regen-t1", "run.json", "target"]
+    greedy, sampled = (read_shards(sorted((out / d).glob("shard-*.jsonl"))) for d in ("regen", "regen-t1"))
+    assert [r["index"] for r in greedy] == [r["index"] for r in sampled] and greedy
+    assert any(g["response_ids"] != s["response_ids"] for g, s in zip(greedy, sampled, strict=True))
+    assert json.loads((out / "regen-t1" / "regen.json").read_text())["temperature"] == 1.0
