@@ -26,6 +26,8 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("python -m peagle_jax.neuron", "peagle_jax.neuron.__main__", "build_parser"),
     ("python train/train.py", "peagle_jax.train.cli", "build_parser"),
     ("python -m peagle_jax.train.card", "peagle_jax.train.card", "build_parser"),
+    ("python -m peagle_jax.train.curve", "peagle_jax.train.curve", "build_parser"),
+    ("python -m peagle_jax.train.device", "peagle_jax.train.device", "build_parser"),
     ("python serve/deploy.py", "peagle_jax.serve.deploy", "build_parser"),
     ("python -m peagle_jax.bench", "peagle_jax.bench.mtbench", "build_parser"),
     *(

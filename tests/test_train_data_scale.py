@@ -131,7 +131,7 @@ def test_continuous_batching_regenerates_what_the_batch_generator_does(tmp_path,
     kw = dict(max_prompt_tokens=24, max_new_tokens=12, shard_size=6, temperature=temperature, progress=False)
     batch = regenerate(Generator(CFG, params, max_seq_len=40), prompts, tmp_path / "b", batch=4, **kw)
     slots = regenerate(
-        SlotGenerator(CFG, params, slots=3, max_seq_len=40), prompts, tmp_path / "s", batch=len(prompts),
+        SlotGenerator(CFG, params, slots=3, max_seq_len=40), prompts, tmp_path / "s", batch=2,
         conversations=list(range(100, 111)), **kw,
     )  # fmt: skip
     a, b = read_shards(batch), read_shards(slots)

@@ -107,6 +107,7 @@ def card(
     size_bytes: int | None,
     arch: dict,
     notes: list[str] = (),
+    machine: str = "this project's 2-core CPU",
 ) -> str:
     """The card's text; ``arch``: the shipped drafter's ``config.json``."""
     r, s = info["recipe"], info["summary"]
@@ -117,7 +118,7 @@ def card(
     lines = [
         f"# {name}: {kind} drafter for SmolLM2-135M-Instruct",
         "",
-        f"Trained with this repository's pipeline (`train/`) on this project's 2-core CPU. Speculators format "
+        f"Trained with this repository's pipeline (`train/`) on {machine}. Speculators format "
         f"(vLLM loads it), bf16 storage{'' if size_bytes is None else f', {size_bytes / 2**20:.1f} MiB'}; the "
         "target's token embedding is shared, not stored.",
         "",

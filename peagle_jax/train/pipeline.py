@@ -397,8 +397,10 @@ def run(recipe: Recipe, output: str | Path, *, log=print, until: str = "train") 
     for step in range(first, end):
         batch = train.batch_at(int(state.data_pos), lazy_features=jax.process_count() > 1)
         state, metrics = step_fn(state, meshlib.global_batch(batch, mesh), head, embed)
-        tokens += int(np.asarray(batch.loss_mask_BT).sum())
+        step_tokens = int(np.asarray(batch.loss_mask_BT).sum())
+        tokens += step_tokens
         record = summarize(metrics, step)
+        record["loss_tokens"] = step_tokens
         if primary:
             append_jsonl(out / "metrics.jsonl", record)
         _log_tb(writer, "train", record, step)
@@ -423,6 +425,10 @@ def run(recipe: Recipe, output: str | Path, *, log=print, until: str = "train") 
         # Saved after the evaluation: a checkpoint at a step means its evaluation is on record, so a run killed
         # between the two redoes both rather than resuming past an evaluation it never wrote.
         save_state(manager, state)
+        if step + 1 in recipe.run.export_at:
+            milestone = meshlib.host_tree(state.params)
+            if primary:
+                save_drafter(out / "drafters" / f"step-{step + 1}", dcfg, milestone, layout=recipe.run.export_layout)
         bar.update(1)
     bar.close()
     train_s = time.perf_counter() - t_train

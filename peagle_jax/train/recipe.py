@@ -96,6 +96,13 @@ def _temperatures_ok(spec: str) -> bool:
         return False
 
 
+def _steps_ok(spec: str) -> bool:
+    try:
+        return all(int(s) >= 1 for s in spec.split(",") if s.strip())
+    except ValueError:
+        return False
+
+
 LAYER_TYPES = {"sliding": "sliding_attention", "full": "full_attention"}
 
 
@@ -271,7 +278,8 @@ class RunConfig:
     ``eval_batches`` batches; a log line every ``log_every`` steps; TensorBoard events when
     ``tensorboard``; ``export_layout``: ``speculators`` or ``eagle``; ``stop_after`` N > 0 stops this
     invocation after N steps (checkpointed and exported; the next invocation continues), e.g. for
-    preemptible machines."""
+    preemptible machines. ``export_steps``: comma-separated steps after which the drafter is also exported
+    to ``drafters/step-N`` (the points of :mod:`peagle_jax.train.curve`)."""
 
     eval_fraction: float = 0.05
     eval_every: int = 100
@@ -281,6 +289,11 @@ class RunConfig:
     export_layout: str = "speculators"
     progress: bool = True
     stop_after: int = 0
+    export_steps: str = ""
+
+    @property
+    def export_at(self) -> frozenset[int]:
+        return frozenset(int(s) for s in self.export_steps.split(",") if s.strip())
 
     def __post_init__(self):
         _check(
@@ -292,6 +305,11 @@ class RunConfig:
                 ("log_every", self.log_every >= 1, "must be >= 1"),
                 ("export_layout", self.export_layout in ("speculators", "eagle"), "must be speculators or eagle"),
                 ("stop_after", self.stop_after >= 0, "must be >= 0"),
+                (
+                    "export_steps",
+                    _steps_ok(self.export_steps),
+                    f"must be comma-separated steps >= 1, got {self.export_steps!r}",
+                ),  # fmt: skip
             ],
         )
 

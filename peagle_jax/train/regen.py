@@ -161,7 +161,8 @@ def regenerate(
     """Write every missing shard for the tokenized prompts; returns all shard paths in order.
 
     Within a shard, prompts are generated in batches of ``batch`` after sorting by length (fewer padded
-    slots; a continuously batched generator takes the whole shard as one batch); row i's sampling seed is
+    slots); a continuously batched generator (``continuous = True``, :mod:`peagle_jax.train.slot_regen`) takes
+    the whole shard in one call and reports each answer to the progress bar; row i's sampling seed is
     ``seed + index`` so a shard's content does not depend on batching. ``dtype`` names the generator's
     compute dtype (recorded); ``conversations`` [i]: prompt i's conversation, written into its record.
     """
@@ -186,6 +187,8 @@ def regenerate(
             else:
                 fits.append(j)
         fits.sort(key=lambda j: len(prompt_ids[j]))
+        if getattr(generator, "continuous", False):  # admits prompts as slots free: the whole shard at once
+            batch = max(len(fits), 1)
         for k in range(0, len(fits), batch):
             rows = fits[k : k + batch]
             results = generator.generate(
@@ -194,6 +197,7 @@ def regenerate(
                 temperature=temperature,
                 seed=[seed + j for j in rows],
                 stop_token_ids=stop_token_ids,
+                **({"on_answer": lambda: bar.update(1)} if getattr(generator, "continuous", False) else {}),
             )
             for j, res in zip(rows, results, strict=True):
                 records[j] = {
@@ -204,7 +208,8 @@ def regenerate(
                 }
                 if conversations is not None:
                     records[j]["conversation"] = int(conversations[j])
-            bar.update(len(rows))
+            if not getattr(generator, "continuous", False):
+                bar.update(len(rows))
         bar.update(hi - lo - len(fits))
         tmp = paths[i].with_suffix(".tmp")
         with open(tmp, "w", encoding="utf-8") as f:

@@ -19,6 +19,8 @@ from peagle_jax.engine.generator import GenerationResult, Generator
 class SlotGenerator:
     """``generate(prompts, ...)`` answered by ``slots`` continuously batched rows of the target."""
 
+    continuous = True  # regenerate() hands it a whole shard at once
+
     def __init__(self, cfg, params, *, slots: int, max_seq_len: int):
         from peagle_jax.serve.slots import SlotEngine
 
@@ -33,8 +35,10 @@ class SlotGenerator:
         temperature: float = 0.0,
         seed: Sequence[int] | int = 0,
         stop_token_ids: Sequence[int] | None = None,
+        on_answer=None,
     ) -> list[GenerationResult]:
-        """Each prompt's answer, in order; ``seed`` per prompt (a list) or one for all."""
+        """Each prompt's answer, in order; ``seed`` per prompt (a list) or one for all; ``on_answer()`` is
+        called as each answer ends (a progress bar)."""
         from peagle_jax.serve.slots import SlotRequest
 
         seeds = list(seed) if isinstance(seed, Sequence) else [seed] * len(prompts)
@@ -53,6 +57,8 @@ class SlotGenerator:
                 tokens[i].extend(ev.tokens)
                 if ev.finish_reason is not None:
                     results[i] = GenerationResult(tokens[i], ev.finish_reason)
+                    if on_answer is not None:
+                        on_answer()
 
         engine = self.engine
         while waiting or engine.active:

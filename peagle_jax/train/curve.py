@@ -1,0 +1,192 @@
+"""``python -m peagle_jax.train.curve RUN_DIR``: a training run's learning curve in acceptance on held-out MT-Bench.
+
+A run with ``run.export_steps`` leaves a drafter at each of those steps in ``RUN_DIR/drafters/step-N``
+(:func:`peagle_jax.train.pipeline.run`), and ``metrics.jsonl`` records each step's loss tokens, so every
+export sits at a known number of training tokens. For each export (and the final ``RUN_DIR/drafter``) this
+measures, on the held-out half of the MT-Bench questions (the odd ones; never trained on), the acceptance
+length of greedy speculative decoding with each ``--trees`` tree (default: the served tree ``0,1,2,3,4,00,01``
+and a chain of 7) and the accepted drafts per position, without decoding: the target answers each question
+greedily once, and one drafter pass per answer ranks the answer's tokens among the drafts at every root
+(:func:`peagle_jax.bench.trees.candidate_ranks`, tested equal to decoding). P-EAGLE drafters only; an EAGLE-3
+run's curve is its held-out accuracy per depth (``eval.jsonl``).
+
+Writes ``--json`` (default ``RUN_DIR/curve.json``) and a plot (``--plot``, default ``RUN_DIR/curve.png``)
+of acceptance length against training tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from peagle_jax import errors
+from peagle_jax.errors import UserError
+
+DEFAULT_TREES = ("0,1,2,3,4,00,01", "0,00,000,0000,00000,000000,0000000")
+WIDTH = 5  # candidates ranked per depth: every rank the default trees use, and room for others
+
+
+def cumulative_tokens(run: Path) -> dict[int, int]:
+    """Step -> loss tokens trained on up to and including it, from ``metrics.jsonl``."""
+    total, out = 0, {}
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            total += int(rec.get("loss_tokens", 0))
+            out[int(rec["step"]) + 1] = total
+    return out
+
+
+def exports(run: Path) -> list[tuple[int, Path]]:
+    """``(step, drafter dir)`` of the run's milestone exports and its final drafter, by step."""
+    found = []
+    for d in (run / "drafters").glob("step-*"):
+        if (d / "config.json").exists() and d.name[5:].isdigit():
+            found.append((int(d.name[5:]), d))
+    summary = run / "summary.json"
+    if (run / "drafter" / "config.json").exists() and summary.exists():
+        step = int(json.loads(summary.read_text())["steps"])
+        if step not in {s for s, _ in found}:
+            found.append((step, run / "drafter"))
+    return sorted(found)
+
+
+def held_out_answers(model_dir, questions_file, limit, max_new_tokens: int, K: int):
+    """``(cfg, params, prompts, answers, stops)``: the target's greedy answers to the held-out (odd) half
+    of the MT-Bench questions, ``max_new_tokens + K`` tokens each (the last root's drafts are checked
+    against K tokens past it)."""
+    from peagle_jax.bench.mtbench import chat_prompts, generate_all, load_questions, stop_ids
+    from peagle_jax.checkpoint import load_target_any
+    from peagle_jax.engine.generator import Generator
+    from peagle_jax.loading import load_tokenizer, resolve_model_dir
+
+    model_dir = resolve_model_dir(model_dir)
+    tok = load_tokenizer(model_dir)
+    if tok is None:
+        raise UserError(f"{model_dir} has no tokenizer (the questions are put in its chat template)")
+    questions = load_questions(questions_file, limit)[1::2]
+    if not questions:
+        raise UserError("at least 2 questions are needed (the held-out half is the odd ones)")
+    prompts = chat_prompts(tok, questions)
+    cfg, params = load_target_any(model_dir)
+    need = max_new_tokens + K
+    plain = Generator(cfg, params, max_seq_len=max(len(p) for p in prompts) + need + 1)
+    answers = generate_all(plain, prompts, batch=8, max_new_tokens=need, temperature=0.0, stops=[])
+    return cfg, params, prompts, answers, stop_ids(cfg, tok)
+
+
+def acceptance(target, drafter_dir: Path, trees, *, max_new_tokens: int) -> dict:
+    """Per tree: acceptance length and accepted drafts per position over the held-out answers."""
+    from peagle_jax.bench.trees import candidate_ranks, paths_of, tokens_per_step
+    from peagle_jax.drafter.load import load_drafter
+
+    cfg, params, prompts, answers, stops = target
+    dcfg, dparams = load_drafter(drafter_dir)
+    if dcfg.algorithm != "peagle":
+        raise UserError(f"{drafter_dir}: an {dcfg.algorithm} drafter; the curve ranks P-EAGLE's parallel drafts")
+    if tuple(dcfg.aux_layer_ids or cfg.aux_layer_ids) != tuple(cfg.aux_layer_ids):
+        cfg = cfg.replace(aux_layer_ids=tuple(dcfg.aux_layer_ids))
+    K = max(max(map(len, paths_of(t))) for t in trees)
+    items = [
+        (candidate_ranks(cfg, params, dcfg, dparams, p, a, K=K, width=WIDTH), a)
+        for p, a in zip(prompts, answers, strict=True)
+    ]
+    kw = {"max_new_tokens": max_new_tokens, "stops": stops}
+    return {t: tokens_per_step(items, paths_of(t), WIDTH, **kw) for t in trees}
+
+
+def curve(run: Path, *, model: str, questions_file=None, questions=None, max_new_tokens=128, trees=DEFAULT_TREES):
+    """The curve's points: per export, its step, training tokens and acceptance per tree."""
+    from peagle_jax.bench.trees import paths_of
+
+    points = exports(run)
+    if not points:
+        raise UserError(f"{run}: no exported drafters (drafters/step-N or drafter/ with summary.json)")
+    K = max(max(map(len, paths_of(t))) for t in trees)
+    target = held_out_answers(model, questions_file, questions, max_new_tokens, K)
+    tokens = cumulative_tokens(run)
+    out = []
+    for step, path in points:
+        print(f"step {step}: {path}", file=sys.stderr, flush=True)
+        res = acceptance(target, path, trees, max_new_tokens=max_new_tokens)
+        out.append({"step": step, "tokens": tokens.get(step), "drafter": str(path), "trees": res})
+    return {"questions": len(target[2]), "max_new_tokens": max_new_tokens, "points": out}
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    pts = [p for p in res["points"] if p["tokens"]]
+    trees = list(pts[0]["trees"]) if pts else []
+    for t in trees:
+        label = "chain of 7" if set(t) <= {"0", ","} else f"tree {t}"
+        ax.plot([p["tokens"] for p in pts], [p["trees"][t]["acceptance_length"] for p in pts], "o-", label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("training loss tokens")
+    ax.set_ylabel("acceptance length (held-out MT-Bench)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def markdown(res: dict) -> str:
+    trees = list(res["points"][0]["trees"]) if res["points"] else []
+    head = (
+        "| step | training tokens | "
+        + " | ".join(f"AL `{t}`" for t in trees)
+        + " | accepted per position (first tree) |"
+    )
+    lines = [head, "|" + "---|" * (3 + len(trees))]
+    for p in res["points"]:
+        als = " | ".join(f"{p['trees'][t]['acceptance_length']:.3f}" for t in trees)
+        per = ", ".join(f"{x:.2f}" for x in p["trees"][trees[0]]["accepted_per_position"])
+        tokens = f"{p['tokens']:,}" if p["tokens"] else "?"
+        lines.append(f"| {p['step']} | {tokens} | {als} | {per} |")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = errors.ArgumentParser(prog="python -m peagle_jax.train.curve", description=__doc__.split("\n")[0])
+    p.add_argument("run", help="a training run directory (train/train.py --output)")
+    p.add_argument("--model", default="smollm2", help="the target (default smollm2, the embedded default)")
+    p.add_argument("--questions-file", help="MT-Bench-style question.jsonl (default: the pinned MT-Bench asset)")
+    p.add_argument("--questions", type=int, default=0, help="use the first N questions (0 = all 80); odd ones held out")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer (default 128)")
+    p.add_argument("--trees", default=";".join(DEFAULT_TREES), help="semicolon-separated trees (default: %(default)s)")
+    p.add_argument("--json", help="write the curve here (default RUN/curve.json)")
+    p.add_argument("--plot", help="write the plot here (default RUN/curve.png)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    run = Path(args.run)
+    try:
+        if args.max_new_tokens < 2:
+            raise UserError("--max-new-tokens must be >= 2")
+        trees = [t.strip() for t in args.trees.split(";") if t.strip()]
+        if not trees:
+            raise UserError("--trees names no tree")
+        res = curve(run, model=args.model, questions_file=args.questions_file, questions=args.questions or None,
+                    max_new_tokens=args.max_new_tokens, trees=trees)  # fmt: skip
+    except (UserError, ValueError) as e:
+        return errors.report(e)
+    Path(args.json or run / "curve.json").write_text(json.dumps(res, indent=1))
+    plot(res, Path(args.plot or run / "curve.png"))
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
