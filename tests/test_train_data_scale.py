@@ -9,27 +9,15 @@ import json
 import jax
 import numpy as np
 import pytest
+from test_train_data import CFG  # the tiny target of the data tests
 
 from peagle_jax.engine.generator import Generator
 from peagle_jax.models import model
-from peagle_jax.models.config import ModelConfig
 from peagle_jax.train.data import split_records
 from peagle_jax.train.pack import pack
 from peagle_jax.train.prompts import held_out_score, load_prompt_items, turn_prompts
 from peagle_jax.train.regen import fitted_prompt_ids, read_shards, regenerate
 from peagle_jax.train.slot_regen import SlotGenerator
-
-CFG = ModelConfig(
-    family="llama",
-    vocab_size=101,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=3,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    eos_token_ids=(3,),
-)
 
 
 def _msg(role, content):
