@@ -6,7 +6,9 @@ array values.
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +51,9 @@ def linear(weight, x, in_axes: int = 1, preferred_element_type=None):
     ``W @ x^T`` takes 0.6-0.8x the time of ``x @ W^T`` at 2..64 rows, 0.4-0.9x at 96..512, 0.97x at 1024.
     Up to 16 rows, x is padded with zero rows to :func:`padded_rows`. A bf16 weight takes its own path (see
     the comment there: ``x @ W^T`` in bf16 with f32 accumulation, at least 4 rows). Beyond ``SMALL_ROWS``
-    (training batches) the product is left to the compiler, which on TPU and GPU picks the layout itself.
+    (training batches, long prefill chunks) the product is left to the compiler, which on TPU and GPU picks the
+    layout itself; a bf16 one goes through :func:`einsum_f32` (bf16 operands, f32 accumulation, forward and
+    gradient), since XLA's CPU computes a bf16 product with a bf16 result in f32.
     """
     out_shape = weight.shape[: weight.ndim - in_axes]
     n_in = math.prod(weight.shape[weight.ndim - in_axes :])
@@ -74,9 +78,49 @@ def linear(weight, x, in_axes: int = 1, preferred_element_type=None):
         x_ZI = jnp.pad(x_MI, ((0, Z - M), (0, 0)))
         y_OZ = jnp.dot(w_OI, x_ZI.T, precision=EXACT, preferred_element_type=preferred_element_type)
         y_MO = jax.lax.optimization_barrier(y_OZ).T[:M]
+    elif weight.dtype == jnp.bfloat16:  # the bf16 kernel's form, f32 accumulation (see einsum_f32)
+        y_MO = einsum_f32("MI,OI->MO", x_MI.astype(weight.dtype), w_OI).astype(preferred_element_type or x.dtype)
     else:
         y_MO = jnp.dot(x_MI, w_OI.T, preferred_element_type=preferred_element_type)
     return y_MO.reshape(*lead, *out_shape)
+
+
+def _einsum_bf16_fwd(spec, a, b):
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32), (a, b)
+
+
+def _einsum_bf16_bwd(spec, res, g):
+    a, b = res
+    ins, out = spec.split("->")
+    sa, sb = ins.split(",")
+    g = g.astype(a.dtype)  # the cotangent of a bf16 computation, rounded as its value was
+    da = jnp.einsum(f"{out},{sb}->{sa}", g, b, preferred_element_type=jnp.float32)
+    db = jnp.einsum(f"{out},{sa}->{sb}", g, a, preferred_element_type=jnp.float32)
+    return da.astype(a.dtype), db.astype(b.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _einsum_bf16(spec, a, b):
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+_einsum_bf16.defvjp(_einsum_bf16_fwd, _einsum_bf16_bwd)
+
+
+def einsum_f32(spec: str, a, b):
+    """``einsum(spec, a, b)`` with an fp32 result, for a product of two operands in which every index of an
+    operand also appears in the other operand or in the output (no index summed out of one operand alone).
+
+    With bf16 operands the product and both products of its gradient take bf16 operands and accumulate in
+    f32, the form XLA's CPU hands to its bf16 library kernel (YNNPACK); the cotangent is rounded to bf16 first,
+    as the value it belongs to was. Left to autodiff, the gradient products would pair an f32 cotangent
+    with a bf16 operand, which XLA computes in f32; and a bf16 product with a bf16 result, as the forward
+    used to be written, is computed in f32 too (measured in a drafter training step: every product in f32,
+    no faster than an fp32 step). Other dtypes: plain ``jnp.einsum`` with an fp32 result, autodiff as usual.
+    """
+    if a.dtype == jnp.bfloat16 and b.dtype == jnp.bfloat16:
+        return _einsum_bf16(spec, a, b)
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
 def rms_norm(x, weight, eps: float, scale_in_fp32: bool = False):
@@ -236,6 +280,8 @@ def attention(q_BTNH, k_BGSH, v_BGSH, visible_BTS, form: str | None = None, sink
     (``python -m peagle_jax.bench.attention``, docs/bench/attention/README.md): 0.46-0.94x the time of
     ``q @ K^T`` in fp32 and 0.31-0.59x in bf16, windows of 256 to 2048 slots.
     """
+    if isinstance(visible_BTS, ChainVisibility):
+        return chain_attention(q_BTNH, k_BGSH, v_BGSH, visible_BTS)
     B, T, N, H = q_BTNH.shape
     G = k_BGSH.shape[1]
     J = N // G
@@ -275,6 +321,68 @@ def attention(q_BTNH, k_BGSH, v_BGSH, visible_BTS, form: str | None = None, sink
         precision = EXACT if M <= SMALL_ROWS else None
         out_BGJTH = jnp.einsum("BGJTS,BGSH->BGJTH", probs_BGJTS, v_BGSH, precision=precision)
     return jnp.transpose(out_BGJTH, (0, 3, 1, 2, 4)).reshape(B, T, N, H)
+
+
+class ChainVisibility(NamedTuple):
+    """A visibility of T new queries over their own T slots (start 0) made of a dense prefix and a few
+    gathered slots: query t sees prefix slot c < C iff ``prefix_BTC[b, t, c]``, and slot ``chain_BTE[b, t, e]``
+    iff ``chain_ok_BTE[b, t, e]``; no other slot. The chain slots must lie at or beyond C (never counted
+    twice). P-EAGLE training's element mask has this form (:func:`peagle_jax.train.objective.element_visibility`):
+    the depth-0 elements up to the query's anchor, then the query's own chain of at most K - 1 mask elements.
+    Passed to :func:`attention` in place of a boolean mask, it costs ``T * (C + E)`` scores instead of ``T * T``.
+    """
+
+    prefix_BTC: jax.Array  # bool
+    chain_BTE: jax.Array  # int32 slot indices
+    chain_ok_BTE: jax.Array  # bool
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The shape of the dense [B, T, T] mask it stands for (the attention window is this call's T slots)."""
+        B, T, _ = self.prefix_BTC.shape
+        return (B, T, T)
+
+
+def chain_attention(q_BTNH, k_BGSH, v_BGSH, vis: ChainVisibility):
+    """:func:`attention` under a :class:`ChainVisibility`: scores over the C prefix slots as one product per
+    row and kv head, over the E gathered chain slots per query, one softmax in fp32 over both. The products
+    go through :func:`einsum_f32` (bf16 operands: the bf16 kernel, backward too); the E chain slots' in the
+    layout [B, T, G, ...], so that they are plain batched products (written as broadcast multiply-and-sum, or
+    with the J heads anywhere but next to H, XLA materialises them J times and the step costs ~20% more)."""
+    B, T, N, H = q_BTNH.shape
+    G, C, E = k_BGSH.shape[1], vis.prefix_BTC.shape[2], vis.chain_BTE.shape[2]
+    J = N // G
+    dt = k_BGSH.dtype
+    q_BGMH = jnp.transpose(q_BTNH.reshape(B, T, G, J, H), (0, 2, 3, 1, 4)).reshape(B, G, J * T, H).astype(dt)
+    scale = 1.0 / math.sqrt(H)
+    prefix_BGJTC = einsum_f32("BGMH,BGCH->BGMC", q_BGMH, k_BGSH[:, :, :C]).reshape(B, G, J, T, C) * scale
+    prefix_BGJTC = jnp.where(vis.prefix_BTC[:, None, None], prefix_BGJTC, MASK_VALUE)
+    max_BGJT = jnp.max(prefix_BGJTC, axis=-1)
+    if E:  # the chain, in the layout [B, T, G, ...]: per query a [J, H] x [H, E] product, batched over (B, T, G)
+        idx_BR11 = vis.chain_BTE.reshape(B, T * E, 1, 1).astype(jnp.int32)
+        gather = lambda x: jnp.take_along_axis(jnp.transpose(x, (0, 2, 1, 3)), idx_BR11, axis=1)  # noqa: E731
+        k_BTGEH = jnp.transpose(gather(k_BGSH).reshape(B, T, E, G, H), (0, 1, 3, 2, 4)).astype(jnp.float32)
+        v_BTGEH = jnp.transpose(gather(v_BGSH).reshape(B, T, E, G, H), (0, 1, 3, 2, 4)).astype(jnp.float32)
+        q_BTGJH = q_BTNH.reshape(B, T, G, J, H).astype(dt).astype(jnp.float32)
+        chain_BTGJE = jnp.einsum("BTGJH,BTGEH->BTGJE", q_BTGJH, k_BTGEH) * scale
+        chain_BGJTE = jnp.transpose(chain_BTGJE, (0, 2, 3, 1, 4))
+        chain_BGJTE = jnp.where(vis.chain_ok_BTE[:, None, None], chain_BGJTE, MASK_VALUE)
+        max_BGJT = jnp.maximum(max_BGJT, jnp.max(chain_BGJTE, axis=-1))
+    # One softmax over prefix and chain together, in fp32 (the max is a constant of the gradient).
+    max_BGJT1 = jax.lax.stop_gradient(max_BGJT)[..., None]
+    exp_BGJTC = jnp.exp(prefix_BGJTC - max_BGJT1)
+    sum_BGJT = jnp.sum(exp_BGJTC, axis=-1)
+    if E:
+        exp_BGJTE = jnp.exp(chain_BGJTE - max_BGJT1)
+        sum_BGJT = sum_BGJT + jnp.sum(exp_BGJTE, axis=-1)
+    inv_BGJT1 = (1.0 / sum_BGJT)[..., None]
+    p_BGMC = (exp_BGJTC * inv_BGJT1).astype(dt).reshape(B, G, J * T, C)
+    out_BGJTH = einsum_f32("BGMC,BGCH->BGMH", p_BGMC, v_BGSH[:, :, :C]).reshape(B, G, J, T, H)
+    out_BTGJH = jnp.transpose(out_BGJTH, (0, 3, 1, 2, 4))
+    if E:
+        p_BTGJE = jnp.transpose((exp_BGJTE * inv_BGJT1).astype(dt).astype(jnp.float32), (0, 3, 1, 2, 4))
+        out_BTGJH = out_BTGJH + jnp.einsum("BTGJE,BTGEH->BTGJH", p_BTGJE, v_BTGEH)
+    return out_BTGJH.astype(dt).reshape(B, T, N, H)
 
 
 def argmax_first(x, axis: int = -1):

@@ -37,7 +37,7 @@ def test_training_elements_predict_what_parallel_draft_drafts():
         jnp.asarray(depth),
         jnp.ones((1, Y), bool),
     )
-    train_logits, _ = element_logits(params, batch, cfg=DCFG)
+    train_logits, _ = element_logits(params, batch, cfg=DCFG, num_depths=K)
     mask_g = fused_mask_hidden(params, cfg=DCFG)
     for i, a in enumerate(anchors):
         rows = [a] + [T + i * (K - 1) + d for d in range(K - 1)]  # elements (a, 0), (a, 1), ..., (a, K - 1)

@@ -1,12 +1,16 @@
-"""``python -m peagle_jax.bench.train``: drafter training throughput with online vs cached target features,
-and the memory of one step with and without sequence partitioning, measured side by side in one run.
+"""``python -m peagle_jax.bench.train``: drafter training throughput, before and after the fast training step,
+fp32 and bf16 compute, online and cached target features; the memory of one step per partition count; and
+(``--sweep``) the loss tokens/s of drafter shapes. Everything compared is measured side by side in one run.
 
 Throughput: a SmolLM2-sized 2-layer P-EAGLE drafter (random weights: speed does not depend on values)
-trained on random token rows of ``--seq-len``; *cached* feeds precomputed features (as read from the
-feature cache), *online* runs the real SmolLM2 target over each batch first
-(:func:`peagle_jax.train.features.target_features`, the path ``batch.features: online`` takes). Rounds
-alternate the two; medians of the step times are reported, in loss-weighted tokens per second (every slot
-carries loss here).
+trained on random token rows of ``--seq-len`` with every position in the loss; *cached* feeds precomputed
+features (as read from the feature cache), *online* runs the real SmolLM2 target (fp32, as the training
+pipeline loads it) over each batch first (:func:`peagle_jax.train.features.target_features`, the path
+``batch.features: online`` takes). *after* is :data:`peagle_jax.train.loop.train_step`; *before* is
+:func:`reference_step`, the step as it was before the fast one (kept here, and used by the tests as the
+reference formulation): the drafter over a dense [Y, Y] element mask, the target's logits per element, and
+bf16 products written in the operands' dtype (XLA's CPU computes those in f32). Rounds interleave every
+variant; medians of the step times are reported as loss tokens per second (positions in the loss per second).
 
 Memory: XLA's compiled memory analysis (``temp`` buffers: activations, attention scores and gradients)
 of one train step at ``--long-seq-len`` positions for 1 (unpartitioned), 2, 4 and 8 segments. Compile only.
@@ -18,19 +22,87 @@ import argparse
 import json
 import statistics
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from peagle_jax import errors
+from peagle_jax import errors, ops
 from peagle_jax.bench.draft import smollm2_sized_drafter
-from peagle_jax.drafter.model import init_drafter_params
+from peagle_jax.drafter.config import DrafterConfig
+from peagle_jax.drafter.draft import drafter_forward
+from peagle_jax.drafter.model import init_drafter_params, new_drafter_cache
+from peagle_jax.train import loop
 from peagle_jax.train.cod import cod_batch, max_elements
 from peagle_jax.train.config import TrainConfig
 from peagle_jax.train.features import target_features
-from peagle_jax.train.loop import init_train_state, train_step
-from peagle_jax.train.objective import PEagleBatch
+from peagle_jax.train.loop import STEP_STATICS, init_train_state, train_step, train_step_fn
+from peagle_jax.train.objective import (
+    PEagleBatch,
+    _take,
+    depth_metrics,
+    element_inputs,
+    element_mask,
+    loss_weights,
+    target_logits,
+)
+
+# --- the step before the fast one: the reference formulation -------------------------------------------------
+
+
+def reference_loss(params, batch: PEagleBatch, target_head_UD, embed_VD=None, *, cfg: DrafterConfig, num_depths: int):
+    """:func:`peagle_jax.train.objective.peagle_loss` as it was written before the fast step (the same
+    math): the drafter over the dense [Y, Y] :func:`element_mask`, the target's logits computed per element
+    (Y x D x U instead of T x D x U), and a log-softmax KL of both per element."""
+    B, Y = batch.anchor_BY.shape
+    tokens_BY, g_BYD, pos_BY = element_inputs(params, batch, cfg=cfg)
+    mask_BYY = element_mask(batch.anchor_BY, batch.depth_BY, batch.valid_BY, batch.document_ids_BT)
+    out, _ = drafter_forward(
+        params,
+        new_drafter_cache(cfg, B, Y, bits=False),
+        tokens_BY,
+        g_BYD,
+        jnp.zeros((B,), jnp.int32),
+        cfg=cfg,
+        embed_VD=embed_VD,
+        mask_BTT=mask_BYY,
+        positions_BT=pos_BY,
+    )
+    z_BYU = out.logits.astype(jnp.float32)
+    t_BYU = target_logits(target_head_UD, _take(batch.target_hidden_BTD, pos_BY))
+    log_p, log_q = jax.nn.log_softmax(t_BYU, axis=-1), jax.nn.log_softmax(z_BYU, axis=-1)
+    kl_BY = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+    w_BY = loss_weights(batch, pos_BY)
+    loss = jnp.sum(w_BY * kl_BY) / jnp.maximum(jnp.sum(w_BY), 1.0)
+    correct_BY = ops.argmax_first(z_BYU, axis=-1) == ops.argmax_first(t_BYU, axis=-1)
+    return loss, depth_metrics(loss, kl_BY, correct_BY, w_BY, batch.depth_BY, num_depths)
+
+
+_linear = ops.linear
+
+
+def _linear_before(weight, x, in_axes: int = 1, preferred_element_type=None):
+    """:func:`peagle_jax.ops.linear` as it was before: beyond ``SMALL_ROWS`` rows a bf16 product in the
+    operands' dtype, which XLA's CPU computes in f32 (forward and gradient)."""
+    n_in = x.shape[x.ndim - in_axes :]
+    rows = int(np.prod(x.shape[: x.ndim - in_axes]))
+    if rows <= ops.SMALL_ROWS or weight.dtype != jnp.bfloat16:
+        return _linear(weight, x, in_axes, preferred_element_type)
+    w_OI = weight.reshape(-1, int(np.prod(n_in)))
+    y_MO = jnp.dot(x.reshape(rows, -1), w_OI.T, preferred_element_type=preferred_element_type)
+    return y_MO.reshape(*x.shape[: x.ndim - in_axes], *weight.shape[: weight.ndim - in_axes])
+
+
+def _reference_step_fn(state, batch, target_head_UD, embed_VD=None, *, cfg, tcfg, num_depths):
+    # Traced with the former objective and product form; the rest of the step (cast, AdamW) is the library's.
+    with mock.patch.object(loop, "peagle_loss", reference_loss), mock.patch.object(ops, "linear", _linear_before):
+        return train_step_fn(state, batch, target_head_UD, embed_VD, cfg=cfg, tcfg=tcfg, num_depths=num_depths)
+
+
+reference_step = jax.jit(_reference_step_fn, static_argnames=STEP_STATICS, donate_argnums=(0,))
+reference_step.__doc__ = """The training step before the fast one (:func:`reference_loss`, the former
+bf16 product form); same signature as :data:`peagle_jax.train.loop.train_step`. P-EAGLE objective only."""
 
 
 def _batch(rng, B, T, K, aux, hidden, tokens):
@@ -57,13 +129,16 @@ def _drafter(layers: int, vocab: int, *, shared_embedding: bool):
     return dcfg, params
 
 
+VARIANTS = [(p, d, f) for p in ("before", "after") for d in ("float32", "bfloat16") for f in ("cached", "online")]
+
+
 def throughput(args) -> dict:
+    """Step time and loss tokens/s of every (path, compute dtype, features) variant, rounds interleaved."""
     from peagle_jax.checkpoint import load_target_any
     from peagle_jax.models.gguf import default_model_dir
 
     tcfg_model, tparams = load_target_any(default_model_dir())
-    dcfg, params = _drafter(2, args.draft_vocab, shared_embedding=True)
-    tcfg = TrainConfig(lr=1e-4, warmup_steps=1, total_steps=10_000)
+    dcfg, params = _drafter(args.layers, args.draft_vocab, shared_embedding=True)
     B, T, K = args.batch_size, args.seq_len, args.num_depths
     head = tparams["embed_tokens"][: args.draft_vocab]
     embed = tparams["embed_tokens"]
@@ -76,28 +151,54 @@ def throughput(args) -> dict:
         return target_features(tparams, tokens, positions, docs, cfg=tcfg_model, dtype="float32")
 
     cached_aux, cached_hidden = jax.block_until_ready(features())
-    states = {m: init_train_state(params, dcfg, tcfg) for m in ("cached", "online")}
-    times = {"cached": [], "online": []}
+    tcfgs = {
+        d: TrainConfig(lr=1e-4, warmup_steps=1, total_steps=10_000, compute_dtype=d) for d in ("float32", "bfloat16")
+    }
+    states = {v: init_train_state(params, dcfg, tcfgs[v[1]]) for v in VARIANTS}
+    times = {v: [] for v in VARIANTS}
+    losses = {v: None for v in VARIANTS}
     for r in range(args.rounds + 1):  # round 0 compiles
-        for mode in ("cached", "online"):
+        batch0 = _batch(np.random.default_rng(r), B, T, K, cached_aux, cached_hidden, tokens)
+        for v in VARIANTS:
+            path, dtype, mode = v
+            step = reference_step if path == "before" else train_step
             t0 = time.perf_counter()
-            aux, hidden = (cached_aux, cached_hidden) if mode == "cached" else features()
-            batch = _batch(np.random.default_rng(r), B, T, K, aux, hidden, tokens)
-            states[mode], m = train_step(states[mode], batch, head, embed, cfg=dcfg, tcfg=tcfg, num_depths=K)
+            if mode == "cached":
+                batch = batch0
+            else:
+                aux, hidden = features()
+                batch = batch0._replace(aux_BTX=aux, target_hidden_BTD=hidden)
+            states[v], m = step(states[v], batch, head, embed, cfg=dcfg, tcfg=tcfgs[dtype], num_depths=K)
             jax.block_until_ready(m["loss"])
             if r:
-                times[mode].append(time.perf_counter() - t0)
-    out = {}
-    for mode, ts in times.items():
-        med = statistics.median(ts)
-        out[mode] = {"step_s": med, "tokens_per_s": B * T / med}
-    out["cached_over_online"] = out["online"]["step_s"] / out["cached"]["step_s"]
+                times[v].append(time.perf_counter() - t0)
+            else:
+                losses[v] = float(m["loss"])
+    loss_tokens = B * T  # every position carries loss here
+    out = {"batch_size": B, "seq_len": T, "num_depths": K, "draft_vocab": args.draft_vocab, "layers": args.layers}
+    rows = []
+    for v in VARIANTS:
+        med = statistics.median(times[v])
+        before = statistics.median(times[("before", *v[1:])])
+        rows.append(
+            {
+                "path": v[0],
+                "compute_dtype": v[1],
+                "features": v[2],
+                "step_s": med,
+                "loss_tokens_per_s": loss_tokens / med,
+                "vs_before": before / med,
+                "first_loss": losses[v],
+            }
+        )
+    out["rows"] = rows
     return out
 
 
 def sweep(args) -> list[dict]:
-    """Cached-feature step time of each ``layers:draft_vocab:K_train`` shape in ``--sweep``, side by side
-    (rounds alternate the shapes): the cost side of choosing the drafter's shape."""
+    """Cached-feature loss tokens/s of the fast step for each ``layers:draft_vocab:K_train`` shape in
+    ``--sweep`` (compute dtype ``--dtype``), side by side (rounds alternate the shapes): the cost side of
+    choosing the drafter's shape; multiply by the accuracy a shape reaches for accuracy per training second."""
     shapes = [tuple(int(x) for x in s.split(":")) for s in args.sweep.split(",")]
     B, T = args.batch_size, args.seq_len
     rng = np.random.default_rng(0)
@@ -105,7 +206,7 @@ def sweep(args) -> list[dict]:
     aux = jnp.asarray(rng.standard_normal((B, T, 3 * 576)), jnp.float32)
     hidden = jnp.asarray(rng.standard_normal((B, T, 576)), jnp.float32)
     embed = jnp.asarray(rng.standard_normal((49152, 576)) * 0.02, jnp.float32)
-    tcfg = TrainConfig(lr=1e-4, warmup_steps=1, total_steps=10_000)
+    tcfg = TrainConfig(lr=1e-4, warmup_steps=1, total_steps=10_000, compute_dtype=args.dtype)
     runs = []
     for layers, vocab, K in shapes:
         dcfg, params = _drafter(layers, vocab, shared_embedding=True)
@@ -127,8 +228,10 @@ def sweep(args) -> list[dict]:
             "layers": run["shape"][0],
             "draft_vocab": run["shape"][1],
             "k_train": run["shape"][2],
+            "compute_dtype": args.dtype,
             "step_s": statistics.median(run["t"]),
-            "vs_first": statistics.median(run["t"]) / base,
+            "loss_tokens_per_s": B * T / statistics.median(run["t"]),
+            "vs_first": base / statistics.median(run["t"]),
         }
         for run in runs
     ]
@@ -163,14 +266,22 @@ def memory(args) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = errors.ArgumentParser(prog="python -m peagle_jax.bench.train", description=__doc__.split("\n")[0])
     p.add_argument("--batch-size", type=int, default=2, help="rows per step (default 2)")
-    p.add_argument("--seq-len", type=int, default=256, help="positions per row for throughput (default 256)")
+    p.add_argument("--seq-len", type=int, default=512, help="positions per row for throughput (default 512)")
     p.add_argument("--num-depths", type=int, default=8, help="K_train (default 8)")
-    p.add_argument("--draft-vocab", type=int, default=12288, help="draft vocabulary (default 12288)")
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds per mode; medians (default 5)")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary (default 8192)")
+    p.add_argument("--layers", type=int, default=2, help="drafter layers for throughput (default 2)")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds per variant; medians (default 3)")
     p.add_argument("--long-seq-len", type=int, default=2048, help="positions for the memory analysis (default 2048)")
+    p.add_argument("--no-memory", action="store_true", help="skip the memory analysis")
     p.add_argument(
         "--sweep",
-        help="instead: step time of each comma-separated LAYERS:DRAFT_VOCAB:K_TRAIN drafter shape, side by side",
+        help="instead: loss tokens/s of each comma-separated LAYERS:DRAFT_VOCAB:K_TRAIN drafter shape, side by side",
+    )
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("float32", "bfloat16"),
+        help="compute dtype of --sweep (default bfloat16)",
     )
     p.add_argument("--json", help="also write the results to this JSON file")
     return p
@@ -180,33 +291,40 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.sweep:
         rows = sweep(args)
-        print(f"## Step time by drafter shape (B={args.batch_size}, T={args.seq_len}, cached features)\n")
-        print("| layers | draft vocab | K_train | step | vs first |\n|---|---|---|---|---|")
+        print(
+            f"## Loss tokens/s by drafter shape (B={args.batch_size}, T={args.seq_len}, cached features, "
+            f"{args.dtype})\n"
+        )
+        print("| layers | draft vocab | K_train | step | loss tokens/s | vs first |\n|---|---|---|---|---|---|")
         for row in rows:
             print(
                 f"| {row['layers']} | {row['draft_vocab']} | {row['k_train']} | {row['step_s'] * 1e3:.0f} ms "
-                f"| {row['vs_first']:.2f}x |"
+                f"| {row['loss_tokens_per_s']:.0f} | {row['vs_first']:.2f}x |"
             )
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
         return 0
-    res = {"throughput": throughput(args), "memory": memory(args)}
-    th, mem = res["throughput"], res["memory"]
+    res = {"throughput": throughput(args)}
+    th = res["throughput"]
     print(
         f"## Training throughput (B={args.batch_size}, T={args.seq_len}, K_train={args.num_depths}, "
-        f"U={args.draft_vocab}, 2-layer SmolLM2-sized drafter)\n"
+        f"U={args.draft_vocab}, {args.layers}-layer SmolLM2-sized drafter)\n"
     )
-    print("| features | step | tokens/s |\n|---|---|---|")
-    for mode in ("cached", "online"):
-        print(f"| {mode} | {th[mode]['step_s'] * 1e3:.0f} ms | {th[mode]['tokens_per_s']:.0f} |")
-    print(f"\ncached is {th['cached_over_online']:.2f}x faster than online\n")
-    print(f"## Memory of one step at T={mem['seq_len']} ({mem['elements']} elements)\n")
-    print("| segments | temp memory | vs unpartitioned |\n|---|---|---|")
-    base = mem["segments_1"]["temp_bytes"]
-    for s in (1, 2, 4, 8):
-        b = mem[f"segments_{s}"]["temp_bytes"]
-        print(f"| {s} | {b / 2**20:.0f} MiB | {b / base:.2f}x |")
+    print("| step | compute | features | step time | loss tokens/s | vs before |\n|---|---|---|---|---|---|")
+    for row in th["rows"]:
+        print(
+            f"| {row['path']} | {row['compute_dtype']} | {row['features']} | {row['step_s'] * 1e3:.0f} ms "
+            f"| {row['loss_tokens_per_s']:.0f} | {row['vs_before']:.2f}x |"
+        )
+    if not args.no_memory:
+        res["memory"] = mem = memory(args)
+        print(f"\n## Memory of one step at T={mem['seq_len']} ({mem['elements']} elements)\n")
+        print("| segments | temp memory | vs unpartitioned |\n|---|---|---|")
+        base = mem["segments_1"]["temp_bytes"]
+        for s in (1, 2, 4, 8):
+            b = mem[f"segments_{s}"]["temp_bytes"]
+            print(f"| {s} | {b / 2**20:.0f} MiB | {b / base:.2f}x |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -166,7 +166,7 @@ def candidate_ranks(cfg, params, dcfg, dparams, prompt, answer, *, K: int, width
         jnp.asarray(valid[None]),
     )
     embed = None if dcfg.own_embedding else params["embed_tokens"]
-    logits, _ = _element_logits()(dparams, batch, embed, cfg=dcfg)
+    logits, _ = _element_logits()(dparams, batch, embed, cfg=dcfg, num_depths=K)
     top_l, top_i = jax.lax.top_k(logits[0], width)  # ranked as the draft ranks them
     top = np.asarray(to_target_ids(dparams, top_i, dcfg))  # [Yp, width]
     if probs:  # the candidates' probabilities [Yp, width]
@@ -191,7 +191,7 @@ def _element_logits():
 
     from peagle_jax.train.objective import element_logits
 
-    return jax.jit(element_logits, static_argnames=("cfg",))
+    return jax.jit(element_logits, static_argnames=("cfg", "num_depths"))
 
 
 def tokens_per_step(items, paths, width, **kw) -> dict:

@@ -7,7 +7,8 @@ Invariants:
   run exactly as if it had not stopped.
 - Master weights and the optimizer state are fp32. With ``compute_dtype`` bfloat16 the loss is taken of
   bf16 casts of the params inside the differentiated function, so the gradients arrive in fp32 (the
-  cast's transpose) and AdamW updates the fp32 masters.
+  cast's transpose) and AdamW updates the fp32 masters. The bf16 products take bf16 operands and accumulate
+  in f32, forward and backward (:func:`peagle_jax.ops.einsum_f32`).
 - Frozen leaves (the integer / boolean vocab maps ``d2t`` / ``t2d``, and ``embed_tokens`` when the config
   says ``embed_requires_grad`` is false) are split off before differentiation: the optimizer never sees
   them, so they get no update, no weight decay and do not count in the clipping norm.

@@ -9,7 +9,8 @@ Elements (see :mod:`peagle_jax.train.cod`): (anchor a, depth d) at position ``p 
 invalid ones padding. Depth 0: real token and aux; depth >= 1: the mask token and ``mask_hidden``, both
 through the same input norms and ``fc`` as real aux features. RoPE position ``p``.
 
-Attention (:func:`element_mask`): q sees kv iff both are valid, q's anchor is not a padding position, they
+Attention (:func:`element_mask`; the forward uses the equal, sparser :func:`element_visibility`): q sees kv
+iff both are valid, q's anchor is not a padding position, they
 share a document (of their anchors), and either kv is a depth-0 element at or before q's anchor, or kv is
 in q's own chain (same anchor) at a depth <= q's. This is exactly what the drafter sees when drafting from
 anchor a at inference: the committed context up to a, then the mask slots before it in the window.
@@ -17,7 +18,14 @@ Invalid elements are seen by nobody, so their inputs cannot influence the loss; 
 nothing (a uniform, finite softmax) and carry zero loss weight.
 
 Loss: ``sum_e w_e KL(softmax(t_e) || softmax(z_e)) / sum_e w_e`` with z the draft logits, t the target
-logits over the draft vocab and ``w_e = valid_e * loss_mask[p_e]``; no per-depth decay. Shape letters:
+logits over the draft vocab and ``w_e = valid_e * loss_mask[p_e]``; no per-depth decay. t depends on the
+position only, so it is computed per position and gathered per element (:class:`Targets`).
+
+Cost (why the step is written as it is; ``python -m peagle_jax.bench.train`` measures it against the former
+step, kept there as :func:`peagle_jax.bench.train.reference_loss`): attention over the T depth-0 elements
+plus K - 1 chain slots per element instead of all Y; the target's logits over T positions instead of Y
+elements; with ``compute_dtype: bfloat16`` every large product in the form XLA's CPU runs on its bf16
+kernel, forward and backward (:func:`peagle_jax.ops.einsum_f32`), the softmaxes and the KL in fp32. Shape letters:
 docs/glossary.md (Y: elements, K: draft depths). The element fields of :class:`PEagleBatch` still spell Y
 as E (``anchor_BY``, ``depth_BY``, ``valid_BY``) until the tests that build them by keyword move too.
 """
@@ -31,7 +39,6 @@ import jax.numpy as jnp
 
 from peagle_jax import ops
 from peagle_jax.drafter.config import DrafterConfig
-from peagle_jax.drafter.draft import drafter_forward
 from peagle_jax.drafter.model import Drafter, new_drafter_cache
 
 
@@ -92,19 +99,76 @@ def element_inputs(params, batch: PEagleBatch, *, cfg: DrafterConfig):
     return tokens_BY, g_BYD, pos_BY
 
 
-def target_logits(target_head_UD, target_hidden_BYD):
+def element_visibility(anchor_BY, depth_BY, valid_BY, document_ids_BT, *, num_depths: int) -> ops.ChainVisibility:
+    """:func:`element_mask` as an :class:`peagle_jax.ops.ChainVisibility` (equal to it, tested): the keys a
+    query can see are the depth-0 elements of positions <= its anchor and its own chain, so the attention
+    needs ``Y * (T + K - 1)`` scores instead of ``Y * Y`` (about 3.4x fewer with COD).
+
+    Layout precondition (guaranteed by :func:`peagle_jax.train.cod.cod_sample`, kept by
+    :mod:`peagle_jax.train.partition`): a row's first T elements are the depth-0 elements of positions
+    0..T-1, every other element has depth >= 1 or is invalid, and no (anchor, depth) pair is valid twice.
+    """
+    B, Y = anchor_BY.shape
+    T = document_ids_BT.shape[1]
+    E = num_depths - 1
+    doc_BY = _take(document_ids_BT, jnp.clip(anchor_BY, 0, T - 1))
+    usable_BY = (doc_BY != -1) & valid_BY
+    t_T = jnp.arange(T, dtype=jnp.int32)
+    prefix_BYT = (
+        usable_BY[:, :, None]
+        & valid_BY[:, None, :T]
+        & (t_T[None, None, :] <= anchor_BY[:, :, None])
+        & (doc_BY[:, :, None] == document_ids_BT[:, None, :])
+    )
+    # table_BTK[b, a, d]: the element (a, d) of row b for d >= 1 (Y where there is none).
+    chained_BY = valid_BY & (depth_BY >= 1) & (depth_BY < num_depths)
+    rows_BY = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, Y))
+    at_BY = jnp.where(chained_BY, anchor_BY, T)  # out of range: dropped
+    table_BTK = jnp.full((B, T, num_depths), Y, jnp.int32)
+    table_BTK = table_BTK.at[rows_BY, at_BY, depth_BY].set(
+        jnp.broadcast_to(jnp.arange(Y, dtype=jnp.int32), (B, Y)), mode="drop"
+    )
+    chain_BYK = jnp.take_along_axis(table_BTK, jnp.clip(anchor_BY, 0, T - 1)[:, :, None], axis=1)
+    chain_BYE = chain_BYK[:, :, 1:]
+    j_E = jnp.arange(1, E + 1, dtype=jnp.int32)
+    ok_BYE = (chain_BYE < Y) & (j_E[None, None, :] <= depth_BY[:, :, None]) & usable_BY[:, :, None]
+    return ops.ChainVisibility(prefix_BYT, jnp.minimum(chain_BYE, Y - 1), ok_BYE)
+
+
+def target_logits(target_head_UD, target_hidden_BTD):
     """The target's logits over the draft vocab: its lm_head rows of the draft ids (t2d) applied to its
-    final normed hidden states. Frozen: no gradient flows into the target."""
+    final normed hidden states, in fp32. Frozen: no gradient flows into the target."""
     head_UD = jax.lax.stop_gradient(target_head_UD)
-    hidden_BYD = jax.lax.stop_gradient(target_hidden_BYD)
-    return ops.linear(head_UD, hidden_BYD).astype(jnp.float32)
+    hidden_BTD = jax.lax.stop_gradient(target_hidden_BTD)
+    return ops.linear(head_UD, hidden_BTD, preferred_element_type=jnp.float32).astype(jnp.float32)
 
 
-def kl_per_element(draft_logits_BYU, target_logits_BYU):
-    """``KL(softmax(t) || softmax(z))`` per element, in fp32: [B, Y]."""
-    log_p = jax.nn.log_softmax(target_logits_BYU.astype(jnp.float32), axis=-1)
-    log_q = jax.nn.log_softmax(draft_logits_BYU.astype(jnp.float32), axis=-1)
-    return jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+class Targets(NamedTuple):
+    """The target's distribution over the draft vocab per *position* (an element at position p is supervised
+    by position p's): computed once for the T positions and gathered per element, rather than once per
+    element (Y ~ 3.4 T of them with COD, and K T for TTT)."""
+
+    probs_BTU: jax.Array  # fp32 softmax of the target logits
+    log_probs_BTU: jax.Array  # fp32 log-softmax
+    neg_entropy_BT: jax.Array  # sum_u p log p
+    argmax_BT: jax.Array  # int32, first maximum of the target logits
+
+
+def targets(target_head_UD, target_hidden_BTD, dtype=jnp.float32) -> Targets:
+    """:class:`Targets` of every position; the logits' product takes operands in ``dtype`` (the compute
+    dtype: bf16 operands accumulate in f32) and the softmax is fp32."""
+    t_BTU = target_logits(target_head_UD.astype(dtype), target_hidden_BTD.astype(dtype))
+    log_p = jax.nn.log_softmax(t_BTU, axis=-1)
+    p = jnp.exp(log_p)
+    return Targets(p, log_p, jnp.sum(p * log_p, axis=-1), ops.argmax_first(t_BTU, axis=-1))
+
+
+def kl_to_targets(draft_logits_BYU, tgt: Targets, pos_BY):
+    """``KL(softmax(t) || softmax(z))`` per element, in fp32: [B, Y], with t the target logits of the
+    element's position: ``sum p log p - sum p z + logsumexp z`` (``sum p = 1``), the first term per position."""
+    z_BYU = draft_logits_BYU.astype(jnp.float32)
+    p_BYU = _take(tgt.probs_BTU, pos_BY)
+    return _take(tgt.neg_entropy_BT, pos_BY) - jnp.sum(p_BYU * z_BYU, axis=-1) + jax.nn.logsumexp(z_BYU, axis=-1)
 
 
 def peagle_loss(
@@ -132,35 +196,37 @@ def peagle_loss(
     this call counts; the others are context only) and ``total_weight`` (the whole batch's weight, so that
     the partial losses add up to the whole loss).
     """
-    logits_BYU, pos_BY = element_logits(params, batch, embed_VD, cfg=cfg)
-    t_BYU = target_logits(target_head_UD, _take(batch.target_hidden_BTD, pos_BY))
-    kl_BY = kl_per_element(logits_BYU, t_BYU)
+    logits_BYU, pos_BY = element_logits(params, batch, embed_VD, cfg=cfg, num_depths=num_depths)
+    tgt = targets(target_head_UD, batch.target_hidden_BTD, cfg.layer.jnp_dtype)
+    kl_BY = kl_to_targets(logits_BYU, tgt, pos_BY)
     w_BY = loss_weights(batch, pos_BY)
     if owned_BY is not None:
         w_BY = w_BY * owned_BY.astype(jnp.float32)
     total = jnp.sum(w_BY) if total_weight is None else total_weight
     loss = jnp.sum(w_BY * kl_BY) / jnp.maximum(total, 1.0)
+    correct_BY = ops.argmax_first(logits_BYU, axis=-1) == _take(tgt.argmax_BT, pos_BY)
+    return loss, depth_metrics(loss, kl_BY, correct_BY, w_BY, batch.depth_BY, num_depths)
 
-    return loss, depth_metrics(loss, kl_BY, logits_BYU, t_BYU, w_BY, batch.depth_BY, num_depths)
 
-
-def element_logits(params, batch: PEagleBatch, embed_VD=None, *, cfg: DrafterConfig):
+def element_logits(params, batch: PEagleBatch, embed_VD=None, *, cfg: DrafterConfig, num_depths: int):
     """The drafter's logits [B, Y, U] over the draft vocab for every element, in one forward pass under
-    :func:`element_mask`, and the elements' positions [B, Y]. What the element (a, d) predicts here is what
-    :func:`peagle_jax.drafter.draft.parallel_draft` drafts at depth d + 1 from anchor a (tested)."""
+    :func:`element_mask` (as :func:`element_visibility`), and the elements' positions [B, Y]. What the
+    element (a, d) predicts here is what :func:`peagle_jax.drafter.draft.parallel_draft` drafts at depth
+    d + 1 from anchor a (tested). ``num_depths``: K_train (elements have depths 0..K-1)."""
     B, Y = batch.anchor_BY.shape
     tokens_BY, g_BYD, pos_BY = element_inputs(params, batch, cfg=cfg)
-    mask_BYY = element_mask(batch.anchor_BY, batch.depth_BY, batch.valid_BY, batch.document_ids_BT)
-    out, _ = drafter_forward(
-        params,
-        new_drafter_cache(cfg, B, Y, bits=False),  # gradients flow through the cache
+    vis = element_visibility(
+        batch.anchor_BY, batch.depth_BY, batch.valid_BY, batch.document_ids_BT, num_depths=num_depths
+    )
+    out, _ = Drafter(cfg).apply(
+        {"params": params},
         tokens_BY,
         g_BYD,
+        pos_BY,
         jnp.zeros((B,), jnp.int32),
-        cfg=cfg,
-        embed_VD=embed_VD,
-        mask_BTT=mask_BYY,
-        positions_BT=pos_BY,
+        vis,
+        new_drafter_cache(cfg, B, Y, bits=False),  # gradients flow through the cache
+        embed_VD,
     )
     return out.logits, pos_BY
 
@@ -173,10 +239,10 @@ def loss_weights(batch: PEagleBatch, pos_BY):
     return (batch.valid_BY & anchored_BY & (_take(batch.loss_mask_BT, pos_BY) != 0)).astype(jnp.float32)
 
 
-def depth_metrics(loss, kl_BY, draft_logits_BYU, target_logits_BYU, w_BY, depth_BY, num_depths: int) -> dict:
-    """The metrics dict of :func:`peagle_loss` (sums and counts per depth); shared by every objective."""
+def depth_metrics(loss, kl_BY, correct_BY, w_BY, depth_BY, num_depths: int) -> dict:
+    """The metrics dict of :func:`peagle_loss` (sums and counts per depth); shared by every objective.
+    ``correct_BY``: whether the element's draft argmax equals its target argmax."""
     depth_BYK = jax.nn.one_hot(depth_BY, num_depths, dtype=jnp.float32) * w_BY[:, :, None]
-    correct_BY = ops.argmax_first(draft_logits_BYU, axis=-1) == ops.argmax_first(target_logits_BYU, axis=-1)
     return {
         "loss": loss,
         "loss_sum_K": jnp.einsum("BY,BYK->K", jax.lax.stop_gradient(kl_BY), depth_BYK),

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from peagle_jax import ops
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.model import Drafter, new_drafter_cache
-from peagle_jax.train.objective import PEagleBatch, _take, depth_metrics, kl_per_element, target_logits
+from peagle_jax.train.objective import PEagleBatch, _take, depth_metrics, kl_to_targets, targets
 
 
 def ttt_visible(document_ids_BT, depth: int, num_depths: int):
@@ -74,17 +75,16 @@ def ttt_loss(params, batch: PEagleBatch, target_head_UD, embed_VD=None, *, cfg: 
     """EAGLE-3 TTT loss and per-depth metrics (as :func:`peagle_jax.train.objective.peagle_loss`). Only the
     per-position fields of ``batch`` are used; its COD elements are ignored (TTT keeps every depth)."""
     B, T = batch.tokens_BT.shape
-    kls, logits, targets, weights, depths = [], [], [], [], []
+    tgt = targets(target_head_UD, batch.target_hidden_BTD, cfg.layer.jnp_dtype)  # per position, gathered per depth
+    kls, correct, weights, depths = [], [], [], []
     for d, (logits_BTU, exists_BT, pos_BT) in enumerate(
         ttt_forward(params, batch, embed_VD, cfg=cfg, num_depths=num_depths)
     ):
-        t_BTU = target_logits(target_head_UD, _take(batch.target_hidden_BTD, pos_BT))
-        kls.append(kl_per_element(logits_BTU, t_BTU))
-        logits.append(logits_BTU)
-        targets.append(t_BTU)
+        kls.append(kl_to_targets(logits_BTU, tgt, pos_BT))
+        correct.append(ops.argmax_first(logits_BTU, axis=-1) == _take(tgt.argmax_BT, pos_BT))
         weights.append((exists_BT & (_take(batch.loss_mask_BT, pos_BT) != 0)).astype(jnp.float32))
         depths.append(jnp.full((B, T), d, jnp.int32))
     kl_BY, w_BY = jnp.concatenate(kls, axis=1), jnp.concatenate(weights, axis=1)
     loss = jnp.sum(w_BY * kl_BY) / jnp.maximum(jnp.sum(w_BY), 1.0)
-    logits_BYU, t_BYU = jnp.concatenate(logits, axis=1), jnp.concatenate(targets, axis=1)
-    return loss, depth_metrics(loss, kl_BY, logits_BYU, t_BYU, w_BY, jnp.concatenate(depths, axis=1), num_depths)
+    correct_BY = jnp.concatenate(correct, axis=1)
+    return loss, depth_metrics(loss, kl_BY, correct_BY, w_BY, jnp.concatenate(depths, axis=1), num_depths)

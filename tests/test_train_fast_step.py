@@ -1,0 +1,198 @@
+"""The fast training step against the reference formulation (the step before it, kept in
+:mod:`peagle_jax.bench.train`): the element visibility equals the dense element mask, the chain attention equals
+dense attention, targets per position equal targets per element, and the loss, metrics and gradients are the
+reference's: fp32 to 1e-5, bf16 within the bounds stated below. Rows beyond ``ops.SMALL_ROWS`` so that the
+training product form (:func:`peagle_jax.ops.einsum_f32`) is the one exercised."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from peagle_jax import ops
+from peagle_jax.bench.train import reference_loss
+from peagle_jax.drafter.config import DrafterConfig
+from peagle_jax.drafter.model import init_drafter_params
+from peagle_jax.models.config import ModelConfig
+from peagle_jax.train.cod import cod_batch, max_elements
+from peagle_jax.train.config import TrainConfig
+from peagle_jax.train.loop import compute_config, partition
+from peagle_jax.train.objective import (
+    PEagleBatch,
+    _take,
+    element_mask,
+    element_positions,
+    element_visibility,
+    peagle_loss,
+    target_logits,
+    targets,
+)
+from peagle_jax.train.partition import segment_batch, segment_mask_capacity
+
+V, H, Ht, U, K, B, T = 97, 32, 24, 40, 4, 2, 160
+Y = max_elements(T, K) + 5  # B * Y > ops.SMALL_ROWS, with padding elements
+LAYER = ModelConfig(
+    family="llama",
+    vocab_size=V,
+    hidden_size=H,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+)
+CFG = DrafterConfig(layer=LAYER, draft_vocab_size=U, target_hidden_size=Ht, mask_token_id=V - 1)
+assert B * Y > ops.SMALL_ROWS
+
+
+def _params(seed):
+    p = init_drafter_params(CFG, jax.random.key(seed))
+    p = jax.tree.map(lambda x: x * 4 if x.dtype == jnp.float32 and x.ndim > 1 else x, p)  # livelier logits
+    p["d2t"] = jnp.asarray(np.random.default_rng(seed).integers(0, V - U, U), jnp.int32)
+    p["t2d"] = jnp.zeros((V,), bool).at[jnp.arange(U) + p["d2t"]].set(True)
+    return p
+
+
+def _batch(seed) -> tuple[PEagleBatch, jax.Array]:
+    rng = np.random.default_rng(seed)
+    loss_mask = np.ones((B, T), np.int32)
+    loss_mask[:, :5] = 0
+    loss_mask[0, 60:66] = 0  # a second conversation's prompt
+    docs = np.zeros((B, T), np.int32)
+    docs[0, 60:] = 1
+    docs[1, T - 9 :] = -1  # padding positions
+    loss_mask[1, T - 9 :] = 0
+    elements = cod_batch(loss_mask, Y, num_depths=K, rng=rng)
+    batch = PEagleBatch(
+        rng.integers(0, V - 1, (B, T)).astype(np.int32),
+        rng.standard_normal((B, T, 3 * Ht)).astype(np.float32),
+        rng.standard_normal((B, T, Ht)).astype(np.float32),
+        loss_mask,
+        docs,
+        *elements,
+    )
+    head = jnp.asarray(rng.standard_normal((U, Ht)).astype(np.float32))
+    return jax.tree.map(jnp.asarray, batch), head
+
+
+def _dense(vis: ops.ChainVisibility) -> np.ndarray:
+    """The [B, Y, Y] boolean mask a ChainVisibility stands for."""
+    prefix, chain, ok = (np.asarray(x) for x in vis)
+    b, y = prefix.shape[:2]
+    dense = np.zeros((b, y, y), bool)
+    dense[:, :, : prefix.shape[2]] = prefix
+    rows, queries, slots = np.nonzero(ok)
+    dense[rows, queries, chain[rows, queries, slots]] = True
+    return dense
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_element_visibility_equals_element_mask(seed):
+    batch, _ = _batch(seed)
+    args = (batch.anchor_BY, batch.depth_BY, batch.valid_BY, batch.document_ids_BT)
+    want = np.asarray(element_mask(*args))
+    vis = element_visibility(*args, num_depths=K)
+    np.testing.assert_array_equal(_dense(vis), want)
+    assert not np.any(np.asarray(vis.chain_BTE)[np.asarray(vis.chain_ok_BTE)] < T)  # never a prefix slot twice
+    # Also on the segments of sequence partitioning (depth-0 elements past the segment invalid).
+    for s in range(3):
+        part, _ = segment_batch(batch, jnp.int32(s), segments=3, capacity=segment_mask_capacity(T, Y, 3, K))
+        args = (part.anchor_BY, part.depth_BY, part.valid_BY, part.document_ids_BT)
+        np.testing.assert_array_equal(_dense(element_visibility(*args, num_depths=K)), np.asarray(element_mask(*args)))
+
+
+def test_chain_attention_equals_dense_attention():
+    batch, _ = _batch(5)
+    vis = element_visibility(batch.anchor_BY, batch.depth_BY, batch.valid_BY, batch.document_ids_BT, num_depths=K)
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((B, Y, 4, 8)).astype(np.float32))
+    k, v = (jnp.asarray(rng.standard_normal((B, 2, Y, 8)).astype(np.float32)) for _ in range(2))
+    dense = jnp.asarray(_dense(vis))
+    usable = np.asarray(dense.any(axis=-1))  # rows that see nothing differ (uniform over other slots): unused
+    want = ops.attention(q, k, v, dense, form="q @ K^T")
+    got = ops.attention(q, k, v, vis)
+    np.testing.assert_allclose(np.asarray(got)[usable], np.asarray(want)[usable], rtol=1e-5, atol=1e-6)
+
+
+def test_targets_per_position_equal_targets_per_element():
+    batch, head = _batch(1)
+    pos = element_positions(batch.anchor_BY, batch.depth_BY, T)
+    per_element = target_logits(head, _take(batch.target_hidden_BTD, pos))
+    tgt = targets(head, batch.target_hidden_BTD)
+    np.testing.assert_allclose(
+        np.asarray(_take(tgt.log_probs_BTU, pos)), np.asarray(jax.nn.log_softmax(per_element)), rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_array_equal(np.asarray(_take(tgt.argmax_BT, pos)), np.asarray(jnp.argmax(per_element, -1)))
+
+
+@functools.partial(jax.jit, static_argnames=("objective", "dtype"))
+def _loss_and_grad(trainable, frozen, batch, head, *, objective, dtype):
+    ccfg = compute_config(CFG, TrainConfig(compute_dtype=dtype))
+    fn = peagle_loss if objective == "fast" else reference_loss
+
+    def loss_fn(tr):
+        p = jax.tree.map(lambda x: x.astype(ccfg.layer.jnp_dtype) if x.dtype == jnp.float32 else x, {**tr, **frozen})
+        return fn(p, batch, head, cfg=ccfg, num_depths=K)
+
+    return jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+
+
+def _flat(grads):
+    return np.concatenate([np.asarray(g, np.float64).ravel() for g in jax.tree.leaves(grads)])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_fast_loss_metrics_and_gradients_equal_reference_fp32(seed):
+    batch, head = _batch(seed)
+    trainable, frozen = partition(_params(seed), CFG)
+    (loss, m), g = _loss_and_grad(trainable, frozen, batch, head, objective="fast", dtype="float32")
+    (ref_loss, ref_m), ref_g = _loss_and_grad(trainable, frozen, batch, head, objective="reference", dtype="float32")
+    assert float(ref_loss) > 0.1
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(m["loss_sum_K"]), np.asarray(ref_m["loss_sum_K"]), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(m["correct_K"]), np.asarray(ref_m["correct_K"]))
+    np.testing.assert_array_equal(np.asarray(m["count_K"]), np.asarray(ref_m["count_K"]))
+    for name in g:
+        a, b = _flat(g[name]), _flat(ref_g[name])
+        # Relative to the leaf's gradient norm (single entries near zero carry only rounding).
+        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b), name
+
+
+def test_fast_bf16_within_bounds_of_fp32():
+    """bf16 compute: operands rounded to 8 significant bits (relative 2^-9 ~ 0.2% each), f32 accumulation and
+    an fp32 softmax/KL. Bounds: the loss within 2% of the fp32 reference, the whole gradient within 5% (in
+    norm) of it; and the fast bf16 step no further from fp32 than 1.5x the former bf16 step (which rounded
+    every product's result to bf16 too) plus 0.5%."""
+    batch, head = _batch(0)
+    trainable, frozen = partition(_params(0), CFG)
+    run = functools.partial(_loss_and_grad, trainable, frozen, batch, head)
+    (ref, _), g_ref = run(objective="reference", dtype="float32")
+    (fast, _), g_fast = run(objective="fast", dtype="bfloat16")
+    (old, _), g_old = run(objective="reference", dtype="bfloat16")
+    assert float(fast) != float(ref)  # the products really ran in bf16
+    np.testing.assert_allclose(float(fast), float(ref), rtol=2e-2)
+    ref_v = _flat(g_ref)
+    err_fast = np.linalg.norm(_flat(g_fast) - ref_v) / np.linalg.norm(ref_v)
+    err_old = np.linalg.norm(_flat(g_old) - ref_v) / np.linalg.norm(ref_v)
+    assert err_fast < 5e-2
+    assert err_fast <= 1.5 * err_old + 5e-3
+    assert abs(float(fast) - float(ref)) <= 1.5 * abs(float(old) - float(ref)) + 5e-3 * float(ref)
+
+
+def test_einsum_f32_bf16_gradient_is_the_rounded_products():
+    """bf16 operands: the forward and both gradient products are the f32 products of the bf16 values."""
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((600, 24)), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((40, 24)), jnp.bfloat16)
+    g = jnp.asarray(rng.standard_normal((600, 40)), jnp.float32)
+    y, vjp = jax.vjp(lambda a, b: ops.einsum_f32("MI,OI->MO", a, b), a, b)
+    da, db = vjp(g)
+    assert y.dtype == jnp.float32 and da.dtype == b.dtype == jnp.bfloat16
+    a32, b32, g16 = (np.asarray(x, np.float32) for x in (a, b, g.astype(jnp.bfloat16)))
+    np.testing.assert_allclose(np.asarray(y), a32 @ b32.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(da, np.float32), g16 @ b32, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(db, np.float32), g16.T @ a32, rtol=1e-2, atol=5e-2)
