@@ -173,6 +173,7 @@ def regenerate(
     num_shards = -(-len(prompt_ids) // shard_size)
     paths = [shard_path(out_dir, i) for i in range(num_shards)]
     todo = [i for i, p in enumerate(paths) if not _shard_done(p, i, prompt_ids[i * shard_size : (i + 1) * shard_size])]
+    continuous = getattr(generator, "continuous", False)
     bar = tqdm(total=len(prompt_ids), desc=desc, unit="prompt", disable=not progress)
     bar.update(len(prompt_ids) - sum(min(shard_size, len(prompt_ids) - i * shard_size) for i in todo))
     for i in todo:
@@ -187,7 +188,7 @@ def regenerate(
             else:
                 fits.append(j)
         fits.sort(key=lambda j: len(prompt_ids[j]))
-        if getattr(generator, "continuous", False):  # admits prompts as slots free: the whole shard at once
+        if continuous:  # admits prompts as slots free: the whole shard at once
             batch = max(len(fits), 1)
         for k in range(0, len(fits), batch):
             rows = fits[k : k + batch]
@@ -197,7 +198,7 @@ def regenerate(
                 temperature=temperature,
                 seed=[seed + j for j in rows],
                 stop_token_ids=stop_token_ids,
-                **({"on_answer": lambda: bar.update(1)} if getattr(generator, "continuous", False) else {}),
+                **({"on_answer": lambda: bar.update(1)} if continuous else {}),
             )
             for j, res in zip(rows, results, strict=True):
                 records[j] = {
@@ -208,7 +209,7 @@ def regenerate(
                 }
                 if conversations is not None:
                     records[j]["conversation"] = int(conversations[j])
-            if not getattr(generator, "continuous", False):
+            if not continuous:
                 bar.update(len(rows))
         bar.update(hi - lo - len(fits))
         tmp = paths[i].with_suffix(".tmp")
