@@ -9,7 +9,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from test_train_data import CFG  # the tiny target of the data tests
+from test_train_data import CFG, _rows  # the tiny target and packed rows of the data tests
 
 from peagle_jax.engine.generator import Generator
 from peagle_jax.models import model
@@ -147,3 +147,56 @@ def test_until_stops_after_the_data_with_every_temperature(tmp_path):
     assert [r["index"] for r in greedy] == [r["index"] for r in sampled] and greedy
     assert any(g["response_ids"] != s["response_ids"] for g, s in zip(greedy, sampled, strict=True))
     assert json.loads((out / "regen-t1" / "regen.json").read_text())["temperature"] == 1.0
+
+
+def test_a_killed_feature_cache_build_resumes_without_a_torn_chunk(tmp_path, monkeypatch):
+    from peagle_jax.train import features
+    from peagle_jax.train.prompts import DataError
+
+    params = model.init_params(CFG, jax.random.key(2))
+    rows = _rows(R=8)
+    kw = dict(dtype="bfloat16", chunk_rows=2, progress=False)
+    want = features.build_cache(params, CFG, rows, tmp_path / "whole", **kw)
+    chunks = -(-rows.tokens.shape[0] // 2)
+
+    # Killed after chunk 1's files are both in place but before its manifest line: the files look whole.
+    real_digest, calls = features._digest, []
+
+    def dying_digest(path):
+        calls.append(path.name)
+        if path.name == "hidden-00001.npy":
+            raise KeyboardInterrupt
+        return real_digest(path)
+
+    monkeypatch.setattr(features, "_digest", dying_digest)
+    with pytest.raises(KeyboardInterrupt):
+        features.build_cache(params, CFG, rows, tmp_path / "f", **kw)
+    monkeypatch.setattr(features, "_digest", real_digest)
+    assert (tmp_path / "f" / "hidden-00001.npy").exists() and sorted(features._manifest(tmp_path / "f")) == [0]
+    # A reader refuses the unrecorded chunk rather than reading it.
+    with pytest.raises(DataError, match="hidden-00001.npy|aux-00001.npy"):
+        features.FeatureCache(tmp_path / "f").rows([2])
+
+    computed = []
+    real_features = features.target_features
+    monkeypatch.setattr(features, "target_features", lambda *a, **k: computed.append(1) or real_features(*a, **k))
+    cache = features.build_cache(params, CFG, rows, tmp_path / "f", **kw)
+    assert len(computed) == chunks - 1  # chunk 0 kept; chunk 1 (torn) and the rest built
+    assert sorted(features._manifest(tmp_path / "f")) == list(range(chunks))
+    for r in range(rows.tokens.shape[0]):
+        for got, ref in zip(cache.rows([r]), want.rows([r]), strict=True):
+            np.testing.assert_array_equal(got.view(np.uint16), ref.view(np.uint16))
+
+    # A chunk changed on disk after the build is refused when first read, naming the file.
+    path = tmp_path / "f" / "aux-00002.npy"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(DataError, match="aux-00002.npy: missing or changed"):
+        features.FeatureCache(tmp_path / "f").rows([4])
+    # The build checks sizes only (the reader the checksums): with a file of the chunk removed it is rebuilt.
+    (tmp_path / "f" / "hidden-00002.npy").unlink()
+    features.build_cache(params, CFG, rows, tmp_path / "f", **kw)
+    np.testing.assert_array_equal(
+        features.FeatureCache(tmp_path / "f").rows([4])[0].view(np.uint16), want.rows([4])[0].view(np.uint16)
+    )

@@ -7,9 +7,12 @@ see :mod:`peagle_jax.train.pack`), cast to the storage dtype. The online source 
 the cache stores its output for every row. Both go through this one jitted function on the same rows, so
 they give the same batches bit for bit (tested).
 
-Cache layout: ``DIR/features.json`` (shapes, dtype, rows per chunk, a digest of the rows) and per chunk of
-rows ``aux-{i:05d}.npy`` / ``hidden-{i:05d}.npy``; bfloat16 is stored as its uint16 bits. Each chunk is
-written to a temporary name and renamed, so an interrupted build resumes with the first missing chunk.
+Cache layout: ``DIR/features.json`` (shapes, dtype, rows per chunk, a digest of the rows), per chunk of
+rows ``aux-{i:05d}.npy`` / ``hidden-{i:05d}.npy`` (bfloat16 stored as its uint16 bits, memory-mapped when
+read), and ``DIR/chunks.jsonl``, a line per finished chunk with each file's size and sha256. A chunk counts
+as built only once its line is written (after both files are renamed into place), so a build killed at any
+point resumes by redoing the chunks without a line or whose files' sizes differ from it: no torn chunk is
+ever read. The reader checks a chunk's checksums when it first opens it and refuses a changed file.
 """
 
 from __future__ import annotations
@@ -72,6 +75,40 @@ def _from_disk(a: np.ndarray, dtype: str) -> np.ndarray:
     return a.view(jnp.bfloat16) if dtype == "bfloat16" else a
 
 
+def _digest(path: Path) -> list:
+    """``[size, sha256]`` of a file."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return [path.stat().st_size, h.hexdigest()]
+
+
+def _manifest(directory: Path) -> dict[int, dict]:
+    """Chunk -> its line of ``chunks.jsonl``; a last line cut short by a kill is ignored."""
+    out = {}
+    path = directory / "chunks.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            out[int(rec["chunk"])] = rec
+    return out
+
+
+def _chunk_whole(directory: Path, i: int, rec: dict | None) -> bool:
+    """Whether chunk i's files are there at the sizes its manifest line records."""
+    if rec is None:
+        return False
+    for name in ("aux", "hidden"):
+        path = directory / f"{name}-{i:05d}.npy"
+        if not path.exists() or path.stat().st_size != rec[name][0]:
+            return False
+    return True
+
+
 class FeatureCache:
     """Read access to a built cache; ``rows(idx)`` -> (aux, hidden) numpy arrays for those row ids."""
 
@@ -82,10 +119,16 @@ class FeatureCache:
         except (OSError, json.JSONDecodeError):
             raise DataError(f"{self.dir} is not a feature cache (no readable features.json)") from None
         self.chunk = self.meta["chunk_rows"]
+        self.manifest = _manifest(self.dir)
         self._open: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def _chunk(self, i: int):
         if i not in self._open:
+            rec = self.manifest.get(i)
+            for name in ("aux", "hidden"):
+                path = self.dir / f"{name}-{i:05d}.npy"
+                if rec is None or not path.exists() or _digest(path) != rec[name]:
+                    raise DataError(f"{path}: missing or changed since the cache was built; delete it and build again")
             dtype = self.meta["dtype"]
             aux = np.load(self.dir / f"aux-{i:05d}.npy", mmap_mode="r")
             hidden = np.load(self.dir / f"hidden-{i:05d}.npy", mmap_mode="r")
@@ -120,8 +163,9 @@ def build_cache(
     else:
         meta_path.write_text(json.dumps(meta, indent=1))
     chunks = -(-B // chunk_rows)
+    done = _manifest(directory)
     for i in tqdm(range(chunks), desc="target features", unit="chunk", disable=not progress):
-        if (directory / f"hidden-{i:05d}.npy").exists():
+        if _chunk_whole(directory, i, done.get(i)):
             continue
         sl = slice(i * chunk_rows, min((i + 1) * chunk_rows, B))
         n = sl.stop - sl.start
@@ -130,8 +174,12 @@ def build_cache(
         aux, hidden = target_features(
             params, rows.tokens[take], rows.positions[take], rows.document[take], cfg=cfg, dtype=dtype
         )
+        rec = {"chunk": i}
         for name, arr in (("aux", aux), ("hidden", hidden)):
             tmp = directory / f"{name}-{i:05d}.tmp.npy"
             np.save(tmp, _to_disk(np.asarray(arr)[:n]))
             os.replace(tmp, directory / f"{name}-{i:05d}.npy")
+            rec[name] = _digest(directory / f"{name}-{i:05d}.npy")
+        with open(directory / "chunks.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
     return FeatureCache(directory)
