@@ -93,7 +93,7 @@ def _data_lines(info: dict) -> list[str]:
         f"{dc['max_prompt_tokens']} tokens skipped)",
         responses,
         f"- packed into {v['rows']} rows of {b['seq_len']} tokens ({v['fill']:.0%} filled), "
-        f"{v['loss_tokens']:,} loss tokens; {r['run']['eval_fraction']:.0%} of the rows held out",
+        f"{v['loss_tokens']:,} loss tokens; {r['run']['eval_fraction']:.0%} of the conversations held out",
         f"- draft vocabulary: {vocab} ({v['coverage']:.1%} of response tokens); mask token id {v['mask_token_id']}",
     ]
 
