@@ -275,11 +275,11 @@ class MeshConfig:
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Held-out ``eval_fraction`` of the conversations (:func:`peagle_jax.train.data.split_records`),
-    evaluated every ``eval_every`` steps on at most ``eval_batches`` batches; a log line every ``log_every`` steps; TensorBoard events when
-    ``tensorboard``; ``export_layout``: ``speculators`` or ``eagle``; ``stop_after`` N > 0 stops this
-    invocation after N steps (checkpointed and exported; the next invocation continues), e.g. for
-    preemptible machines. ``export_steps``: comma-separated steps after which the drafter is also exported
-    to ``drafters/step-N`` (the points of :mod:`peagle_jax.train.curve`)."""
+    evaluated every ``eval_every`` steps on at most ``eval_batches`` batches; a log line every ``log_every``
+    steps; TensorBoard events when ``tensorboard``; ``export_layout``: ``speculators`` or ``eagle``;
+    ``stop_after`` N > 0 stops this invocation after N steps (checkpointed and exported; the next invocation
+    continues), e.g. for preemptible machines. ``export_steps``: comma-separated steps after which the drafter
+    is also exported to ``drafters/step-N`` (the points of :mod:`peagle_jax.train.curve`)."""
 
     eval_fraction: float = 0.05
     eval_every: int = 100
