@@ -200,3 +200,18 @@ def test_a_killed_feature_cache_build_resumes_without_a_torn_chunk(tmp_path, mon
     np.testing.assert_array_equal(
         features.FeatureCache(tmp_path / "f").rows([4])[0].view(np.uint16), want.rows([4])[0].view(np.uint16)
     )
+
+
+def test_features_from_a_bf16_target_and_the_target_saved_in_fp32(tmp_path, capsys):
+    from peagle_jax.checkpoint import load_target_any
+    from peagle_jax.train.cli import main
+    from peagle_jax.train.features import FeatureCache
+
+    out = tmp_path / "run"
+    main(["--config", "train/configs/tiny.yaml", "--output", str(out), "data.max_prompts=16", "target.dtype=bfloat16",
+          "--until", "features", "run.progress=false"])  # fmt: skip
+    assert "features in bfloat16" in capsys.readouterr().err
+    cfg, params = load_target_any(out / "target")
+    assert cfg.dtype == "float32" and params["embed_tokens"].dtype == np.float32
+    aux, _ = FeatureCache(out / "features").rows([0])
+    assert np.isfinite(aux.astype(np.float32)).all() and np.abs(aux.astype(np.float32)).max() > 0

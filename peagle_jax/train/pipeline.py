@@ -287,7 +287,14 @@ def run(recipe: Recipe, output: str | Path, *, log=print, until: str = "train") 
         if primary:
             save_random_target(cfg, params, tokenizer, out / "target")
         meshlib.barrier("random target")
-    log(f"target: {source} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size})")
+    if recipe.target.dtype != cfg.dtype:  # the features' dtype; the random target above is saved in fp32
+        from peagle_jax.checkpoint import cast_floats
+
+        cfg, params = cfg.replace(dtype=recipe.target.dtype), cast_floats(params, recipe.target.dtype)
+    log(
+        f"target: {source} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
+        f"features in {cfg.dtype})"
+    )
     if recipe.data.responses == "dataset":
         records = dataset_records(recipe, cfg, tokenizer, log)
     else:

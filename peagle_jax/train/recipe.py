@@ -131,7 +131,8 @@ class TargetConfig:
     ``layer_types`` is ``sliding`` or ``full`` per layer, comma-separated (empty: even layers slide, as in
     GPT-OSS); its sinks and biases are random, its RoPE GPT-OSS's YaRN with an original context of
     ``max_seq_len`` / 32. The drafter reads the taps of vLLM's convention (the residual entering layers 2,
-    L/2 and L-3, clamped into a tiny target).
+    L/2 and L-3, clamped into a tiny target). ``dtype``: what the target computes the training features in
+    (cached or online; a random target is saved in fp32 either way); regeneration has ``data.regen_dtype``.
     """
 
     model: str = "smollm2"
@@ -149,12 +150,14 @@ class TargetConfig:
     sliding_window: int = 0
     layer_types: str = ""
     seed: int = 0
+    dtype: str = "float32"
 
     def __post_init__(self):
         moe = self.family in ("gpt_oss", "qwen3_moe")
         _check(
             "target",
             [
+                ("dtype", self.dtype in ("float32", "bfloat16"), "must be float32 or bfloat16"),
                 ("family", self.family in ("llama", "gpt_oss", "qwen3_moe"), "must be llama, gpt_oss or qwen3_moe"),
                 ("num_experts", not moe or self.num_experts >= 1, "must be >= 1"),
                 (
