@@ -12,12 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_train_loop import LAYER as ONE_LAYER
 
 from peagle_jax import ops
 from peagle_jax.bench.train import reference_loss
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.model import init_drafter_params
-from peagle_jax.models.config import ModelConfig
 from peagle_jax.train.cod import cod_batch, max_elements
 from peagle_jax.train.config import TrainConfig
 from peagle_jax.train.loop import compute_config, partition
@@ -35,16 +35,7 @@ from peagle_jax.train.partition import segment_batch, segment_mask_capacity
 
 V, H, Ht, U, K, B, T = 97, 32, 24, 40, 4, 2, 160
 Y = max_elements(T, K) + 5  # B * Y > ops.SMALL_ROWS, with padding elements
-LAYER = ModelConfig(
-    family="llama",
-    vocab_size=V,
-    hidden_size=H,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-)
+LAYER = ONE_LAYER.replace(num_layers=2)  # the loop tests' tiny drafter layer, one layer deeper
 CFG = DrafterConfig(layer=LAYER, draft_vocab_size=U, target_hidden_size=Ht, mask_token_id=V - 1)
 assert B * Y > ops.SMALL_ROWS
 
