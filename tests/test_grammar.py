@@ -132,7 +132,7 @@ def test_speculative_equals_plain_under_grammars(setup, spec):
         cfg, params, dcfg, dparams, tree=V.parse_tree(tree) if tree else None, max_seq_len=MAX_SEQ, **kw
     )
     engine = SlotEngine(gen, 3, grammars=grammars, adaptive=adaptive)
-    engine.grammar_drafting = aware
+    engine.rows.grammar_drafting = aware
     outs, finishes = _run(engine, requests)
     assert outs == plain
     assert engine.structured["requests"] == 5 and engine.structured["emitted"] > 0
@@ -148,7 +148,7 @@ def test_grammar_aware_drafting_raises_the_acceptance(setup):
         engine = SlotEngine(
             SpeculativeGenerator(cfg, params, dcfg, dparams, k=3, max_seq_len=MAX_SEQ), 3, grammars=grammars
         )
-        engine.grammar_drafting = aware
+        engine.rows.grammar_drafting = aware
         _run(engine, requests)
         lengths[aware] = engine.structured["emitted"] / engine.structured["target_forwards"]
     assert lengths[True] > lengths[False] + 0.3, lengths
@@ -245,4 +245,4 @@ def test_no_compiles_after_warmup_with_grammars(setup):
     before = [g._cache_size() for g in graphs]
     _run(engine, _requests(grammars)[:4])
     assert [g._cache_size() for g in graphs] == before
-    assert not engine.constrained.any()  # every slot freed
+    assert not engine.rows.constrained.any()  # every slot freed

@@ -17,12 +17,14 @@ from peagle_jax.logprobs import first_logprobs
 from peagle_jax.models import model as M
 from peagle_jax.models.config import ModelConfig
 from peagle_jax.serve import slots as S
+from peagle_jax.serve import warmup as W
 from peagle_jax.serve.slots import SlotEngine, SlotRequest, merge_roots, put_row
 from peagle_jax.spec import generator as SP
 from peagle_jax.spec import verify as V
 from peagle_jax.spec.adaptive import AdaptiveK
 from peagle_jax.spec.generator import SpeculativeGenerator
 from peagle_jax.spec.graphs import flush_context, fused_step, plain_step
+from peagle_jax.spec.plan import StepKey
 
 # A 6-token vocabulary and large weights, as in test_speculative: drafts are then accepted at every depth.
 CFG = ModelConfig(
@@ -144,7 +146,7 @@ def test_the_choices_of_one_request_share_its_prefill(models, speculative, monke
             out[ev.request.id] += ev.tokens
         for ev in engine.step():
             out[ev.request.id] += ev.tokens
-    assert len(calls) == 1 and engine._shared is None
+    assert len(calls) == 1 and engine._group is None
     for j, r in enumerate(group):
         assert out[r.id] == _reference(plain, (prompt, 12, 0.9, 0, 1.0, 5 + j, [])), j
 
@@ -161,12 +163,12 @@ def test_outputs_do_not_change_while_graphs_come_online(models, adaptive):
     gen = SpeculativeGenerator(CFG, params, DCFG, dparams, k=3, max_seq_len=MAX_SEQ)
     engine = SlotEngine(gen, 4, adaptive=adaptive)
     tasks = engine.warmup_tasks()
-    first, rest = S.first_tasks(tasks, gen.window_buckets[0])
+    first, rest = W.first_tasks(tasks, gen.window_buckets[0])
     assert first and rest and len(first) + len(rest) == len(tasks)
-    assert all(t.rows == 1 and not t.tree.depth for t in first if isinstance(t, S.StepKey))
-    drafting = {t for t in rest if isinstance(t, S.StepKey) and t.tree.depth}
+    assert all(t.rows == 1 and not t.tree.depth for t in first if isinstance(t, StepKey))
+    drafting = {t for t in rest if isinstance(t, StepKey) and t.tree.depth}
     assert drafting and all(t in tasks for t in drafting)
-    engine.compiling.update(t for t in rest if isinstance(t, S.StepKey))
+    engine.compiling.update(t for t in rest if isinstance(t, StepKey))
     engine.warmup(tasks=first, calibrate=False)
 
     reqs = [SlotRequest(p, n, t, k, tp, seed, stops) for p, n, t, k, tp, seed, stops in REQUESTS]

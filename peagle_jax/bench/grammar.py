@@ -152,7 +152,7 @@ def serving(engines, prompts, grammar, rows: int, rounds: int, max_new: int) -> 
     steps = {m: 0 for m in modes}
     forwards = {m: [0, 0] for m in modes}  # target forwards, emitted
     for eng in engines.values():
-        eng.grammar_s = 0.0
+        eng.rows.grammar_s = 0.0
     for i in range(rounds):
         order = list(modes)[i % 3 :] + list(modes)[: i % 3]
         for m in order:
@@ -183,7 +183,7 @@ def serving(engines, prompts, grammar, rows: int, rounds: int, max_new: int) -> 
             "tokens_per_s": tokens[m] / wall[m],
             "over_free": (tokens[m] / wall[m]) / (tokens["free"] / wall["free"]),
             "acceptance_length": e / f if f else 0.0,
-            "grammar_ms_per_step": engines[m].grammar_s / max(steps[m], 1) * 1e3,
+            "grammar_ms_per_step": engines[m].rows.grammar_s / max(steps[m], 1) * 1e3,
         }
     return out
 
@@ -280,7 +280,7 @@ def _serving(args, model_dir, tok, rows) -> list[dict]:
     out = []
     for r in rows:
         engines = {m: SlotEngine(gen, r, grammars=grammars) for m in ("free", "schema_aware", "schema_plain_draft")}
-        engines["schema_plain_draft"].grammar_drafting = False
+        engines["schema_plain_draft"].rows.grammar_drafting = False
         # Untimed: every prompt once in every mode, which compiles every graph the timed rounds call (the
         # answers are the same: greedy).
         serving(engines, prompts, grammar, r, -(-len(prompts) // r), args.max_new_tokens)

@@ -21,11 +21,14 @@ import numpy as np
 from peagle_jax import executables
 from peagle_jax.engine.buckets import BATCH_BUCKETS, ONE_ROW_PAD, PREFILL_BUCKETS, WINDOW_BUCKETS, bucket
 from peagle_jax.engine.overlap import Launched, launch_then_read
+from peagle_jax.engine.state import RowState, host_copy
 from peagle_jax.errors import UserError
 from peagle_jax.logprobs import prefill_logprobs, token_logprobs
 from peagle_jax.models import model
 from peagle_jax.models.config import ModelConfig
 from peagle_jax.sampling import SamplingParams, greedy_graph, sample
+from peagle_jax.spec.plan import Windows, step_keys, windows_between
+from peagle_jax.spec.tree import chain
 
 
 class RequestError(UserError):
@@ -118,6 +121,7 @@ class Generator:
         self.num_slots = max(-(-max_seq_len // chunk) * chunk, max_seq_len + slack)
         below = WINDOW_BUCKETS if window_buckets is None else sorted(set(window_buckets))
         self.window_buckets = tuple(w for w in below if w < max_seq_len) + (self.num_slots,)
+        self.windows = Windows(self.window_buckets)  # every graph's attention window (spec.plan)
         self.stats = StepStats()
         # Whether the serving engine's steps also return the emitted tokens' raw log-probabilities (a static
         # flag of the step graphs: :mod:`peagle_jax.logprobs`); the batch generators leave it off.
@@ -148,7 +152,7 @@ class Generator:
 
     def window(self, context: int) -> int:
         """The attention window bucket covering ``context`` slots."""
-        return bucket(context, self.window_buckets)
+        return self.windows.of(context)
 
     def cache_slots(self, batch: int) -> int:
         """Slots of a fresh cache of ``batch`` rows: :attr:`num_slots`, plus :data:`ONE_ROW_PAD` for one fp32
@@ -188,11 +192,11 @@ class Generator:
                 jnp.full((batch,), start, jnp.int32),
             )
             if on_logprobs is None:
-                out, cache = model.prefill(*args, cfg=self.cfg, window=self.window(start + T))
+                out, cache = model.prefill(*args, cfg=self.cfg, window=self.windows.prefill_window(start, T))
             else:
                 after = [p[start + T] if start + T < len(p) else 0 for p in prompts] + [0] * (batch - len(prompts))
                 out, lp, cache = prefill_logprobs(
-                    *args, jnp.asarray(after, jnp.int32), cfg=self.cfg, window=self.window(start + T)
+                    *args, jnp.asarray(after, jnp.int32), cfg=self.cfg, window=self.windows.prefill_window(start, T)
                 )
                 on_logprobs(lp, start, T)
             if on_chunk is not None:
@@ -200,6 +204,59 @@ class Generator:
             ended_here = jnp.asarray((lengths > start) & (lengths <= start + T))[:, None]
             logits = out.logits if logits is None else jnp.where(ended_here, out.logits, logits)
         return logits, cache
+
+    def launch_plain(
+        self,
+        cache,
+        dcache,
+        state: RowState,
+        seeds,
+        sampling,
+        greedy_only: bool,
+        live,
+        root=None,
+        lazy=False,
+        rules=None,
+    ) -> tuple[Launched, object, object]:
+        """Launch a plain step over the first R = ``len(live)`` rows of ``state`` without waiting for it (the
+        serving engine's step; :meth:`RowState.advance_plain` moves the rows on). ``root`` [R] (on the device):
+        the tokens to feed, e.g. the unread output of the previous plain step; by default the host's roots.
+        ``rules``: the rows' :class:`~peagle_jax.logit_rules.LogitRules`. ``dcache`` (no drafter: None) and
+        ``lazy`` are the speculative generator's (:meth:`peagle_jax.spec.generator.SpeculativeGenerator.launch_plain`).
+        Returns (the launched step, cache, dcache)."""
+        t0, R = time.perf_counter(), len(live)
+        next_R, cache, *lp = decode_step(
+            self.params,
+            cache,
+            host_copy(state.root[:R]) if root is None else root,
+            host_copy(state.q[:R]),  # copies: the host state moves on at once, maybe while the step reads it
+            seeds,
+            sampling,
+            cfg=self.cfg,
+            greedy_only=greedy_only,
+            window=self.windows.plain_window(state.q[:R][live]),
+            logprobs=self.logprobs,
+            rules=rules,
+        )
+        at = state.advance_plain(live)
+        self.stats.decode_steps += 1
+        return Launched(next_R, np.array(live, bool), t0, at=at, logprobs=lp[0] if lp else None), cache, dcache
+
+    def read_plain(self, launched: Launched, state: RowState, valid, t_last_read: float, next_R=None) -> np.ndarray:
+        """Read a launched plain step's tokens [R] (unless already read: ``next_R``) and commit them for the
+        ``valid`` rows (those still holding the request they held at launch); its device time since
+        ``t_last_read`` goes to the statistics (:meth:`_plain_seconds`)."""
+        next_R = np.asarray(launched.tokens) if next_R is None else next_R
+        state.commit_plain(next_R, launched.at, valid)
+        self._plain_seconds(launched.device_seconds(t_last_read, time.perf_counter()))
+        return next_R
+
+    def _plain_seconds(self, seconds: float) -> None:
+        self.stats.decode_s += seconds
+
+    def needs_flush(self, state: RowState, rows: int, full: int | None = None, lazy: bool = False) -> bool:
+        """Whether a plain step would first write queued drafter context: never without a drafter."""
+        return False
 
     def _request(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids):
         """Check a request and lay out its per-row arrays over the batch bucket: (n, B, stop ids, sampling
@@ -243,12 +300,9 @@ class Generator:
         # The first token comes from the same graph as in :meth:`stream` (so its placement matches too: with a
         # mesh, a token array placed differently would compile the decode step again).
         tokens = sample_jit(logits, sampling, seeds, jnp.full(B, prompt_len, jnp.int32), greedy_only=greedy_only)
-        from peagle_jax.spec.plan import step_keys, windows_between
-        from peagle_jax.spec.tree import chain
-
         windows = windows_between(self.window_buckets, prompt_len + 1, prompt_len + max_new_tokens)
         for key in step_keys([B], [chain(0)], windows, [greedy_only]):
-            pos = jnp.full(B, key.window - 1, jnp.int32)
+            pos = jnp.full(B, self.windows.plain_q(key.window), jnp.int32)
             tokens, cache = decode_step(
                 self.params,
                 cache,
@@ -308,7 +362,7 @@ class Generator:
                 sampling,
                 cfg=self.cfg,
                 greedy_only=greedy_only,
-                window=self.window(int(positions[live].max()) + 1),
+                window=self.windows.plain_window(positions[live]),
             )
             positions[:] += 1
             self.stats.decode_steps += 1

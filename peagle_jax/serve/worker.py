@@ -30,7 +30,8 @@ from peagle_jax import executables
 from peagle_jax.engine.generator import RequestError
 from peagle_jax.errors import UserError
 from peagle_jax.serve.metrics import Metrics
-from peagle_jax.serve.slots import SlotEngine, SlotEvent, SlotRequest, first_tasks
+from peagle_jax.serve.slots import SlotEngine, SlotEvent, SlotRequest
+from peagle_jax.serve.warmup import first_tasks
 from peagle_jax.spec.plan import StepKey
 
 log = logging.getLogger("peagle_jax.serve")

@@ -29,13 +29,14 @@ from peagle_jax.drafter.draft import drafter_prefill, fused_mask_hidden, paralle
 from peagle_jax.drafter.model import new_drafter_cache
 from peagle_jax.engine.generator import Generator, RequestError, sample_jit
 from peagle_jax.engine.overlap import Launched, launch_then_read
+from peagle_jax.engine.state import host_copy
 from peagle_jax.logprobs import TokenLogprobs, host_logprobs
 from peagle_jax.models.config import ModelConfig
 from peagle_jax.sampling import SamplingParams, greedy_graph
 from peagle_jax.spec.adaptive import AdaptiveK, adaptive_policy, step_trees
 from peagle_jax.spec.graphs import flush_context, fused_step, plain_step
-from peagle_jax.spec.plan import serving_trees, step_keys, windows_between
-from peagle_jax.spec.state import SpecState, SpecStats, cache_slack, host_copy, queue_slots
+from peagle_jax.spec.plan import Windows, serving_trees, step_keys, windows_between
+from peagle_jax.spec.state import SpecState, SpecStats, cache_slack, queue_slots
 from peagle_jax.spec.tree import Tree, chain
 from peagle_jax.spec.verify import verify
 
@@ -97,6 +98,7 @@ class SpeculativeGenerator(Generator):
                 dparams = sharding.replicate(dparams, self.mesh)
         self.dcfg, self.dparams, self.tree, self.sequential, self.fused = dcfg, dparams, tree, sequential, fused
         self.K, self.Q = tree.depth, queue_slots(tree.depth)
+        self.windows = Windows(self.window_buckets, self.K, self.Q)
         self.mask_g = None if sequential else fused_mask_hidden(dparams, cfg=dcfg)
         self.embed = None if dcfg.own_embedding else params["embed_tokens"]
         self.spec = SpecStats(accepted_per_position=[0] * self.K)
@@ -125,12 +127,9 @@ class SpeculativeGenerator(Generator):
             greedy_only=greedy_only, logprobs=self.logprobs, rules=rules,
         )  # fmt: skip
 
-    def _draft_window(self, start) -> int:
-        return self.window(int(start.max()) + 2 * self.K + 1)
-
     def _draft(self, dcache, tokens, aux, count, start, tree: Tree | None = None):
         tree = tree or self.tree
-        window = self._draft_window(start)
+        window = self.windows.draft_window(start)
         args = (self.dparams, dcache, jnp.asarray(tokens), aux, jnp.asarray(count), jnp.asarray(start))
         kw = dict(cfg=self.dcfg, K=tree.depth, top_n=tree.width, window=window)
         if self.sequential:
@@ -168,7 +167,7 @@ class SpeculativeGenerator(Generator):
                     jnp.full(batch, start, jnp.int32),
                     self.embed,
                     cfg=self.dcfg,
-                    window=self.window(start + T),
+                    window=self.windows.prefill_window(start, T),
                 )
             at = np.clip(lengths - 1 - start, 0, T - 1)
             here = jnp.asarray((lengths - 1 >= start) & (lengths - 1 < start + T))[:, None]
@@ -195,14 +194,14 @@ class SpeculativeGenerator(Generator):
         if tree.depth > self.K or tree.size > self.tree.size or not tree.depth:
             raise ValueError(f"a step tree must fit the generator's (depth 1..{self.K}, <= {self.tree.size} nodes)")
         t0 = time.perf_counter()
-        window = self.verify_window(state.q[live], tree)
+        window = self.windows.verify_window(state.q[live], tree)
         C = self.K + 1  # the draft reads the first C of the Q queued slots (run_step flushed any beyond)
         ctx_tokens, ctx_aux = state.ctx_tokens[:, :C], state.ctx_aux  # the graphs read the first C aux slots
         after_draft = rules if callable(rules) else None
         if self.fused and after_draft is None:
             # One window for both halves (the larger: a wider window is always safe), so the fused graphs
             # are one per window bucket, not one per (draft window, verify window) pair.
-            window = max(window, self._draft_window(state.ctx_start))
+            window = max(window, self.windows.draft_window(state.ctx_start))
             ctx = (ctx_tokens, ctx_aux, state.ctx_count, state.ctx_start)
             out, cache, dcache = self._fused(
                 cache, dcache, ctx, state.root, state.q, seeds, sampling, tree, window, greedy_only, rules
@@ -245,10 +244,6 @@ class SpeculativeGenerator(Generator):
         self.spec.draft_s += t1 - t0
         self.spec.verify_s += t2 - t1
         return tokens, count, aux, cache, dcache
-
-    def verify_window(self, q_live, tree: Tree) -> int:
-        """The attention window of a verify of ``tree`` for rows whose next slots are ``q_live``."""
-        return self.window(int(np.max(q_live, initial=0)) + tree.size + 1)
 
     def run_step(
         self, cache, dcache, state: SpecState, seeds, sampling, *, greedy_only: bool, live, tree=None, rules=None
@@ -317,7 +312,7 @@ class SpeculativeGenerator(Generator):
             seeds,
             sampling,
             cfg=self.cfg,
-            window=self.window(int(state.q[:R][live].max(initial=0)) + 1),
+            window=self.windows.plain_window(state.q[:R][live]),
             greedy_only=greedy_only,
             logprobs=self.logprobs,
             rules=rules,
@@ -326,6 +321,9 @@ class SpeculativeGenerator(Generator):
         self.stats.decode_steps += 1
         self.spec.plain_forwards += int(np.sum(live))
         return Launched(next_R, np.array(live, bool), t0, at=at, logprobs=lp[0] if lp else None), cache, dcache
+
+    def _plain_seconds(self, seconds: float) -> None:
+        self.spec.verify_s += seconds  # a plain step inside speculative decoding is a target forward
 
     def needs_flush(self, state: SpecState, rows: int, full: int | None = None, lazy: bool = False) -> bool:
         """Whether :meth:`make_room` would write the pending context (one of the first ``rows`` rows holds
@@ -344,7 +342,7 @@ class SpeculativeGenerator(Generator):
         A full row that is not synced (:attr:`SpecState.synced`), or any full row when ``lazy`` (the slot
         engine decodes plainly under load), is desynced instead (:meth:`SpecState.desync`, no drafter work).
         Returns the drafter cache; ``state`` is updated in place."""
-        Q, full = self.Q, full or self.Q
+        full = full or self.Q
         count = state.ctx_count[:rows]
         drop = (count >= full) & (~state.synced[:rows] | lazy)
         if drop.any():
@@ -363,7 +361,7 @@ class SpeculativeGenerator(Generator):
             jnp.asarray(move),
             self.embed,
             cfg=self.dcfg,
-            window=self.window(int(start.max()) + Q),
+            window=self.windows.flush_window(start),
         )
         idx = np.flatnonzero(move)
         state.ctx_tokens[idx, 0] = state.ctx_tokens[idx, count[idx] - 1]
@@ -482,7 +480,7 @@ class SpeculativeGenerator(Generator):
         B = bucket(batch, self.batch_buckets)
         cache, dcache = self._scratch_caches(B)
         X = len(self.cfg.aux_layer_ids) * self.cfg.hidden_size
-        q = np.full(B, max(self.window_buckets[0] - self.tree.size - 1, 1), np.int32)  # the smallest window
+        q = np.full(B, max(self.windows.verify_q(self.window_buckets[0], self.tree), 1), np.int32)  # smallest
         sampling, seeds, live = SamplingParams.make(B, 0.0), jnp.zeros(B, jnp.uint32), np.ones(B, bool)
 
         def time_step(k: int) -> float:
@@ -511,15 +509,15 @@ class SpeculativeGenerator(Generator):
         return cache, dcache
 
     def _warm_windows(self, batch: int, prompt_len: int, max_new_tokens: int, greedy_only: bool) -> None:
-        """One call per window bucket, with the root (q) and the draft context start placed so that the host
-        loop's window rules (see :meth:`stream`) pick exactly that bucket; with the adaptive step length, for
-        every step length (its draft and verify or fused graphs, the plain step and the context flush).
-        Outputs are discarded."""
+        """One call per window bucket, with the root (q) and the draft context start placed by the inverses of
+        the window rule (:class:`peagle_jax.spec.plan.Windows`) so that a step lands in exactly that bucket;
+        with the adaptive step length, for every step length (its draft and verify or fused graphs, the plain
+        step and the context flush). Outputs are discarded."""
         from peagle_jax.engine.buckets import bucket
 
         B, K, Q = bucket(batch, self.batch_buckets), self.K, self.Q
         positions = range(prompt_len - 1, prompt_len + max_new_tokens + 1)
-        draft_windows = sorted({self._draft_window(np.asarray([s])) for s in positions})
+        draft_windows = sorted({self.windows.draft_window(s) for s in positions})
         cache, dcache = self._scratch_caches(B)
         X = len(self.cfg.aux_layer_ids) * self.cfg.hidden_size
         tokens, count = np.zeros((B, K + 1), np.int32), np.ones(B, np.int32)
@@ -534,8 +532,8 @@ class SpeculativeGenerator(Generator):
                 windows = sorted(set(windows) | set(draft_windows))
             for key in step_keys([B], [tree], windows, [greedy_only]):
                 w = key.window
-                q = jnp.full(B, max(w - tree.size - 1, 0), jnp.int32)
-                start = np.full(B, max(w - 2 * K - 1, 0), np.int32)
+                q = jnp.full(B, self.windows.verify_q(w, tree), jnp.int32)
+                start = np.full(B, self.windows.draft_start(w), np.int32)
                 if not tree.depth:  # a plain step (its context queue flushes below)
                     out, cache, aux, *_ = plain_step(
                         self.params, cache, aux, root, q, jnp.asarray(count), live, seeds, sampling, cfg=self.cfg,
@@ -551,11 +549,11 @@ class SpeculativeGenerator(Generator):
                         greedy_only=greedy_only, logprobs=self.logprobs, rules=None,
                     )  # fmt: skip
             for w in draft_windows if tree.depth and not self.fused else []:
-                start = np.full(B, max(w - 2 * K - 1, 0), np.int32)
+                start = np.full(B, self.windows.draft_start(w), np.int32)
                 out, dcache = self._draft(dcache, tokens, aux, count, start, tree)
         if self.policy is not None:  # the flushes of the context plain steps queue
-            for w in sorted({self.window(s + Q) for s in positions}):
-                start = jnp.full(B, max(w - Q, 0), jnp.int32)
+            for w in sorted({self.windows.flush_window(s) for s in positions}):
+                start = jnp.full(B, self.windows.flush_start(w), jnp.int32)
                 dcache, aux = flush_context(
                     self.dparams, dcache, jnp.zeros((B, Q), jnp.int32), aux, start, jnp.asarray(count), live,
                     self.embed, cfg=self.dcfg, window=w,

@@ -12,6 +12,11 @@ the prefill chunks. This module enumerates them; its callers turn each key into 
 - ``python -m peagle_jax.neuron export`` builds each key's graphs with abstract inputs
   (:mod:`peagle_jax.neuron.graphs`) and exports them.
 
+The attention window of every graph follows one rule, :class:`Windows`: the bucket covering the highest cache
+slot the graph reads or writes. Its inverses (the highest root position or context start whose graph lands in
+a given window) are next to it, so the warm-ups place a scratch step in the window they compile instead of
+inverting the rule by hand.
+
 A step key stands for the graphs one step calls: the plain decode step (no drafter) or the plain step inside
 speculative decoding (depth 0), else the draft at every draft window the step can meet, the verify (or the
 fused draft + verify) and the context write.
@@ -21,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 from peagle_jax.engine.buckets import bucket
 from peagle_jax.spec.adaptive import step_trees
@@ -36,6 +43,59 @@ class StepKey:
     tree: Tree
     window: int
     greedy_only: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Windows:
+    """The window rule of a decoder with window ``buckets`` (the top one the whole cache), drafting ``K`` deep
+    over ``Q`` queued context slots (plain decoding: K = 0, Q = 1). Each ``*_window`` takes the rows' positions
+    (host arrays or ints; the highest counts) and returns the bucket; each inverse takes a window and returns
+    the highest such position whose graph lands in it."""
+
+    buckets: tuple[int, ...]
+    K: int = 0
+    Q: int = 1
+
+    def of(self, context: int) -> int:
+        """The bucket covering ``context`` cache slots."""
+        return bucket(context, self.buckets)
+
+    def below(self, w: int) -> int:
+        """The next smaller bucket than ``w`` (0 for the smallest)."""
+        return max((x for x in self.buckets if x < w), default=0)
+
+    def plain_window(self, q) -> int:
+        """A plain step feeding roots at ``q``: it writes slot q."""
+        return self.of(int(np.max(q, initial=0)) + 1)
+
+    def verify_window(self, q, tree: Tree) -> int:
+        """A verify of ``tree`` with roots at ``q``: the root and the tree nodes from q."""
+        return self.of(int(np.max(q, initial=0)) + tree.size + 1)
+
+    def draft_window(self, start) -> int:
+        """A draft whose context starts at ``start``: up to K + 1 context elements and K - 1 mask slots past
+        them, with room to spare (2K + 1)."""
+        return self.of(int(np.max(start, initial=0)) + 2 * self.K + 1)
+
+    def flush_window(self, start) -> int:
+        """A write of the Q queued context elements from ``start`` into the drafter cache."""
+        return self.of(int(np.max(start, initial=0)) + self.Q)
+
+    def prefill_window(self, start: int, T: int) -> int:
+        """A prefill chunk of T tokens from ``start``."""
+        return self.of(start + T)
+
+    def plain_q(self, w: int) -> int:
+        return max(w - 1, 0)
+
+    def verify_q(self, w: int, tree: Tree) -> int:
+        return max(w - tree.size - 1, 0)
+
+    def draft_start(self, w: int) -> int:
+        return max(w - 2 * self.K - 1, 0)
+
+    def flush_start(self, w: int) -> int:
+        return max(w - self.Q, 0)
 
 
 def step_keys(

@@ -10,16 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from peagle_jax.engine.state import RowState
 from peagle_jax.spec.graphs import write_context
 from peagle_jax.spec.tree import Tree
-
-
-def host_copy(x: np.ndarray) -> jax.Array:
-    """A device array of a host array that will change while a graph launched on it may still run: on the
-    CPU, ``jnp.asarray`` (and ``jnp.array``'s copy, itself launched asynchronously) may read the host buffer
-    in place, so it is copied on the host first."""
-    return jnp.asarray(np.array(x, copy=True))
-
 
 QUEUE = 16  # context elements plain steps may queue before one flush_context writes them (at least K + 1)
 
@@ -61,7 +54,7 @@ class SpecStats:
 
 
 @dataclasses.dataclass
-class SpecState:
+class SpecState(RowState):
     """Per-row host state between speculative steps (B rows, Q >= K + 1 context slots, see :func:`queue_slots`).
 
     ``q`` is the position of each row's root (its last committed token, not yet in the target cache) and
@@ -80,8 +73,6 @@ class SpecState:
     ctx_aux: jax.Array
     ctx_count: np.ndarray
     ctx_start: np.ndarray
-    q: np.ndarray
-    root: np.ndarray
     synced: np.ndarray
 
     @classmethod
@@ -95,15 +86,28 @@ class SpecState:
         ctx_aux = jnp.zeros((B, Q, last_aux_BX.shape[-1]), last_aux_BX.dtype).at[:, 0].set(last_aux_BX)
         lengths = np.asarray(lengths_B, np.int32)
         first = np.asarray(first_B).copy()
-        return cls(ctx_tokens, ctx_aux, np.ones(B, np.int32), lengths - 1, lengths.copy(), first, np.ones(B, bool))
+        return cls(lengths.copy(), first, ctx_tokens, ctx_aux, np.ones(B, np.int32), lengths - 1, np.ones(B, bool))
 
     def rows(self, R: int) -> SpecState:
         """The first R rows (views of the host arrays; ``ctx_aux`` sliced when R < B)."""
         if R == len(self.q):
             return self
         s = self
-        views = (s.ctx_tokens, s.ctx_aux, s.ctx_count, s.ctx_start, s.q, s.root, s.synced)
+        views = (s.q, s.root, s.ctx_tokens, s.ctx_aux, s.ctx_count, s.ctx_start, s.synced)
         return SpecState(*(x[:R] for x in views))
+
+    def seed(self, b: int, length: int, first: int, *, synced: bool = True) -> None:
+        """Row b after a prefill of ``length`` tokens whose next token is ``first``: one queued context
+        element (``first``, paired with the aux state of the last prompt position, which the caller writes
+        into ``ctx_aux``), at drafter position ``length - 1``. ``synced``: the drafter saw the prompt."""
+        self.ctx_tokens[b] = 0
+        self.ctx_tokens[b, 0] = first
+        self.ctx_count[b], self.ctx_start[b], self.q[b], self.root[b] = 1, length - 1, length, first
+        self.synced[b] = synced
+
+    def release(self, b: int) -> None:
+        """Row b is free: it idles at position 1 with one queued element (a draft reads at least one)."""
+        self.ctx_count[b], self.ctx_start[b], self.q[b], self.root[b] = 1, 0, 1, 0
 
     def advance(self, tokens_RC, count_R, aux_RPX, live_R) -> None:
         """Commit a draft -> verify step's output for the live rows among the first R (= ``len(count_R)``);
