@@ -30,6 +30,25 @@ def char_tokenizer():
     return fast
 
 
+class ByteTokenizer:
+    """A fake tokenizer for tests without a model: one token per UTF-8 byte (so a multi-byte character spans
+    tokens and half of one decodes to U+FFFD), and a chat template writing a line ``role: content`` per message,
+    then ``assistant: ``."""
+
+    chat_template = "role: content"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = False, tokenize: bool = False):
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        text += "assistant: " if add_generation_prompt else ""
+        return self.encode(text) if tokenize else text
+
+
 def write_tiny_model(path: Path, seed: int = 0) -> Path:
     """A random tiny Llama (vocab 128, EOS = <|im_end|>) with the character tokenizer, in ``path``."""
     from conftest import tiny_hf_model
