@@ -9,6 +9,7 @@ import pytest
 
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.draft import (
+    DraftContext,
     drafter_forward,
     fuse_aux,
     fused_mask_hidden,
@@ -66,7 +67,13 @@ def test_parallel_draft_is_one_forward_over_context_then_mask_slots(params):
     start = jnp.full(B, 6, jnp.int32)
     mask_g = fused_mask_hidden(params, cfg=CFG)
     draft, _ = parallel_draft(
-        params, _prefix(params, new_drafter_cache(CFG, B, 32)), tokens, aux, count, start, mask_g, cfg=CFG, K=K, top_n=3
+        params,
+        _prefix(params, new_drafter_cache(CFG, B, 32)),
+        DraftContext(tokens, aux, count, start),
+        mask_g,
+        cfg=CFG,
+        K=K,
+        top_n=3,
     )
     g = fuse_aux(params, aux, cfg=CFG)
     for b in range(B):
@@ -93,7 +100,7 @@ def test_sequential_draft_feeds_back_its_hidden_state_and_greedy_token(params):
     count = jnp.array([2, 5, 1], jnp.int32)
     start = jnp.full(B, 6, jnp.int32)
     draft, _ = sequential_draft(
-        params, _prefix(params, new_drafter_cache(CFG, B, 32)), tokens, aux, count, start, cfg=CFG, K=K
+        params, _prefix(params, new_drafter_cache(CFG, B, 32)), DraftContext(tokens, aux, count, start), cfg=CFG, K=K
     )
     g = fuse_aux(params, aux, cfg=CFG)
     for b in range(B):
@@ -120,18 +127,22 @@ def test_placeholder_and_rejected_rows_are_never_visible_later(params):
     mask_g = fused_mask_hidden(params, cfg=CFG)
     three = jnp.full(B, 3, jnp.int32)
     cache = _prefix(params, new_drafter_cache(CFG, B, 32))
-    _, cache = parallel_draft(params, cache, tokens, aux, three, jnp.full(B, 6, jnp.int32), mask_g, cfg=CFG, K=K)
+    _, cache = parallel_draft(
+        params, cache, DraftContext(tokens, aux, three, jnp.full(B, 6, jnp.int32)), mask_g, cfg=CFG, K=K
+    )
     tokens2, aux2 = _inputs(3)
     two = jnp.full(B, 2, jnp.int32)
     # Step 2 re-feeds the accepted element 6, then element 7: it starts where step 1's real rows ended (6 + 1).
     after, _ = parallel_draft(
-        params, cache, tokens2, aux2, two, jnp.full(B, 7, jnp.int32), mask_g, cfg=CFG, K=K, top_n=2
+        params, cache, DraftContext(tokens2, aux2, two, jnp.full(B, 7, jnp.int32)), mask_g, cfg=CFG, K=K, top_n=2
     )
     clean = _prefix(params, new_drafter_cache(CFG, B, 32))
     _, clean = drafter_forward(
         params, clean, tokens[:, :1], fuse_aux(params, aux[:, :1], cfg=CFG), jnp.full(B, 6, jnp.int32), cfg=CFG
     )
-    ref, _ = parallel_draft(params, clean, tokens2, aux2, two, jnp.full(B, 7, jnp.int32), mask_g, cfg=CFG, K=K, top_n=2)
+    ref, _ = parallel_draft(
+        params, clean, DraftContext(tokens2, aux2, two, jnp.full(B, 7, jnp.int32)), mask_g, cfg=CFG, K=K, top_n=2
+    )
     np.testing.assert_array_equal(after.tokens, ref.tokens)
     np.testing.assert_allclose(after.logprobs, ref.logprobs, atol=1e-5)
 
@@ -142,17 +153,19 @@ def test_rows_are_independent(params):
     start = jnp.array([6, 6, 6], jnp.int32)
     mask_g = fused_mask_hidden(params, cfg=CFG)
     full, _ = parallel_draft(
-        params, _prefix(params, new_drafter_cache(CFG, B, 32)), tokens, aux, count, start, mask_g, cfg=CFG, K=K
+        params,
+        _prefix(params, new_drafter_cache(CFG, B, 32)),
+        DraftContext(tokens, aux, count, start),
+        mask_g,
+        cfg=CFG,
+        K=K,
     )
     other_tokens = tokens.at[0].set(5).at[2].set(7)
     other_aux = aux.at[0].set(0.5).at[2].set(-1.0)
     mixed, _ = parallel_draft(
         params,
         _prefix(params, new_drafter_cache(CFG, B, 32)),
-        other_tokens,
-        other_aux,
-        jnp.array([5, 4, 1], jnp.int32),
-        start,
+        DraftContext(other_tokens, other_aux, jnp.array([5, 4, 1], jnp.int32), start),
         mask_g,
         cfg=CFG,
         K=K,
@@ -165,18 +178,23 @@ def test_each_draft_graph_compiles_once_across_accepted_counts(params):
     mask_g = fused_mask_hidden(params, cfg=CFG)
     cache = new_drafter_cache(CFG, B, 32)
     _, cache = parallel_draft(
-        params, cache, tokens, aux, jnp.full(B, 1, jnp.int32), jnp.zeros(B, jnp.int32), mask_g, cfg=CFG, K=K
+        params,
+        cache,
+        DraftContext(tokens, aux, jnp.full(B, 1, jnp.int32), jnp.zeros(B, jnp.int32)),
+        mask_g,
+        cfg=CFG,
+        K=K,
     )
     _, cache = sequential_draft(
-        params, cache, tokens, aux, jnp.full(B, 1, jnp.int32), jnp.zeros(B, jnp.int32), cfg=CFG, K=K
+        params, cache, DraftContext(tokens, aux, jnp.full(B, 1, jnp.int32), jnp.zeros(B, jnp.int32)), cfg=CFG, K=K
     )
     par, seq = parallel_draft._cache_size(), sequential_draft._cache_size()
     rng = np.random.RandomState(0)
     for _ in range(20):
         count = jnp.asarray(rng.randint(1, C + 1, B), jnp.int32)
         start = jnp.asarray(rng.randint(0, 20, B), jnp.int32)
-        _, cache = parallel_draft(params, cache, tokens, aux, count, start, mask_g, cfg=CFG, K=K)
-        _, cache = sequential_draft(params, cache, tokens, aux, count, start, cfg=CFG, K=K)
+        _, cache = parallel_draft(params, cache, DraftContext(tokens, aux, count, start), mask_g, cfg=CFG, K=K)
+        _, cache = sequential_draft(params, cache, DraftContext(tokens, aux, count, start), cfg=CFG, K=K)
     assert parallel_draft._cache_size() == par and sequential_draft._cache_size() == seq
 
 
@@ -186,9 +204,7 @@ def test_parallel_draft_refuses_an_eagle3_drafter(params):
         parallel_draft(
             params,
             new_drafter_cache(cfg, B, 32),
-            *_inputs(0),
-            jnp.ones(B, jnp.int32),
-            jnp.zeros(B, jnp.int32),
+            DraftContext(*_inputs(0), jnp.ones(B, jnp.int32), jnp.zeros(B, jnp.int32)),
             jnp.zeros(32),
             cfg=cfg,
             K=K,

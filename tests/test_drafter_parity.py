@@ -17,7 +17,7 @@ speculators = pytest.importorskip("speculators", reason="install with: pip insta
 from speculators.losses import resolve_loss_config  # noqa: E402
 from speculators_ref import H, V, reference_drafter  # noqa: E402
 
-from peagle_jax.drafter.draft import drafter_forward, fuse_aux, fused_mask_hidden, parallel_draft  # noqa: E402
+from peagle_jax.drafter.draft import DraftContext, drafter_forward, fuse_aux, fused_mask_hidden, parallel_draft  # noqa: E402
 from peagle_jax.drafter.load import load_drafter  # noqa: E402
 from peagle_jax.drafter.model import new_drafter_cache  # noqa: E402
 
@@ -77,10 +77,12 @@ def test_parallel_layout_logits_match_speculators(case, tmp_path, monkeypatch):
     draft, _ = parallel_draft(
         params,
         new_drafter_cache(cfg, 1, 16),
-        jnp.asarray(ids.numpy()[:, :n]),
-        jnp.asarray(aux.numpy()[:, :n]),
-        jnp.array([n], jnp.int32),
-        jnp.zeros(1, jnp.int32),
+        DraftContext(
+            jnp.asarray(ids.numpy()[:, :n]),
+            jnp.asarray(aux.numpy()[:, :n]),
+            jnp.array([n], jnp.int32),
+            jnp.zeros(1, jnp.int32),
+        ),
         mask_g,
         cfg=cfg,
         K=K,

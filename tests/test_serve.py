@@ -517,3 +517,43 @@ def test_fuzz_request_schema(server):
 
 def test_logprobs(server, model_dir):
     check_logprobs(server.base, "tiny", model_dir)
+
+
+def test_a_disconnect_frees_its_slot_within_a_second_on_a_cold_start(model_dir, tmp_path):
+    """An empty compilation cache: the server serves once the first graphs compiled and compiles the rest in
+    the background. Requests whose context grows into windows (and row buckets) not compiled yet wait for
+    those graphs, which the compiler takes next; the engine thread compiles nothing itself, so it goes on
+    taking cancellations: a non-streaming client that disconnects frees its slot within a second."""
+    args = ["--model", str(model_dir), "--max-batch", "4", "--max-seq-len", str(MAX_SEQ)]
+    server = ServerProcess(*args, "--compilation-cache", str(tmp_path / "jax-cache"), log=tmp_path / "server.log")
+    server.wait()
+    try:
+        seen_pending, freed_in = 0, []
+        for _ in range(3):
+            socks = [_open_stream(server, MAX_SEQ - 2, stream=False) for _ in range(2)]
+            _wait_for(server, "peagle_active_slots", 2, timeout=30)
+            time.sleep(0.5)  # into the answers: their windows grow
+            seen_pending = max(seen_pending, _metrics(server)["peagle_graphs_pending"])
+            t0 = time.time()
+            for s in socks:
+                s.close()
+            _wait_idle(server, timeout=10)
+            freed_in.append(time.time() - t0)
+        assert seen_pending > 0  # the disconnects came while graphs were still compiling
+        assert max(freed_in) < 1.0, freed_in
+        # what comes after is decoded as before (its graphs compile on demand, first)
+        ref = _generate_cli(model_dir, "x", 300)
+        out = json.loads(
+            http(
+                server.base,
+                "POST",
+                "/v1/completions",
+                json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 300, "temperature": 0}),
+            )[2]
+        )
+        assert (
+            out["choices"][0]["text"] == ref["text"] and out["usage"]["completion_tokens"] == ref["completion_tokens"]
+        )
+    finally:
+        assert server.stop() == 0
+    assert "Traceback" not in server.log.read_text()

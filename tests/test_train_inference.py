@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from test_draft import CFG as DCFG
 
-from peagle_jax.drafter.draft import drafter_prefill, fused_mask_hidden, parallel_draft, to_target_ids
+from peagle_jax.drafter.draft import DraftContext, drafter_prefill, fused_mask_hidden, parallel_draft, to_target_ids
 from peagle_jax.drafter.model import init_drafter_params, new_drafter_cache
 from peagle_jax.train.objective import PEagleBatch, element_logits
 
@@ -45,7 +45,7 @@ def test_training_elements_predict_what_parallel_draft_drafts():
         cache = new_drafter_cache(DCFG, 1, 64)
         cache = drafter_prefill(params, cache, tokens[:, :a], aux[:, :a], jnp.zeros(1, jnp.int32), cfg=DCFG)
         ctx = (tokens[:, a : a + 1], aux[:, a : a + 1], jnp.ones(1, jnp.int32), jnp.full(1, a, jnp.int32))
-        draft, _ = parallel_draft(params, cache, *ctx, mask_g, cfg=DCFG, K=K, top_n=3)
+        draft, _ = parallel_draft(params, cache, DraftContext(*ctx), mask_g, cfg=DCFG, K=K, top_n=3)
         top_lp, top_ids = jax.lax.top_k(want, 3)
         np.testing.assert_array_equal(np.asarray(draft.tokens[0]), np.asarray(to_target_ids(params, top_ids, DCFG)))
         np.testing.assert_allclose(np.asarray(draft.logprobs[0]), np.asarray(top_lp), rtol=1e-4, atol=1e-4)

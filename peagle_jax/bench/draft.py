@@ -24,7 +24,7 @@ import numpy as np
 
 from peagle_jax import errors
 from peagle_jax.drafter.config import DrafterConfig
-from peagle_jax.drafter.draft import fused_mask_hidden, parallel_draft, sequential_draft
+from peagle_jax.drafter.draft import DraftContext, fused_mask_hidden, parallel_draft, sequential_draft
 from peagle_jax.drafter.model import init_drafter_params, new_drafter_cache
 from peagle_jax.models.config import ModelConfig
 
@@ -103,12 +103,12 @@ def measure(cfg: DrafterConfig, args, window: int) -> list[dict]:
         def run(name, caches=caches, tokens=tokens, aux=aux, count=count, start=start, K=K):
             if name == "par":
                 out, caches[name] = parallel_draft(
-                    params, caches[name], tokens, aux, count, start, mask_g, cfg=cfg, K=K, window=window
+                    params, caches[name], DraftContext(tokens, aux, count, start), mask_g, cfg=cfg, K=K, window=window
                 )
             else:
                 k = K if name == "seq" else 1
                 out, caches[name] = sequential_draft(
-                    params, caches[name], tokens, aux, count, start, cfg=cfg, K=k, window=window
+                    params, caches[name], DraftContext(tokens, aux, count, start), cfg=cfg, K=k, window=window
                 )
             jax.block_until_ready(out)
 

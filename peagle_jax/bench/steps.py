@@ -63,7 +63,7 @@ def measure(plain_gen, spec_gen, prompt, rows: int, steps: int, progress=None, l
         for m in order[i % len(order) :] + order[: i % len(order)]:
             eng, tree = engines[m], modes[m]
             # Stay clear of the context's end: restart the requests before a step could run out of room.
-            top = eng.state.q.max() if eng.speculative else eng.positions.max()
+            top = eng.state.q.max()  # plain and speculative engines alike
             if eng.active < rows or top + 2 * K + 4 >= limit:
                 _fill(eng, prompt, rows, max_new)
             t0 = time.perf_counter()

@@ -99,6 +99,18 @@ def _top(params, logits_BKU, n: int, cfg: DrafterConfig) -> Draft:
     return Draft(to_target_ids(params, top_ids, cfg), top_lp)
 
 
+class DraftContext(NamedTuple):
+    """A draft's context, one pytree: the new context elements per row (``tokens`` [B, C]: the token at j+1,
+    ``aux`` [B, Q, X]: the target aux states of j, in a queue of Q >= C slots whose first C are read, see
+    :func:`peagle_jax.spec.state.queue_slots`), of which the first ``count`` [B] are valid (1 <= count <= C),
+    the first at drafter position ``start`` [B]."""
+
+    tokens: jax.Array
+    aux: jax.Array
+    count: jax.Array
+    start: jax.Array
+
+
 def _context_g(params, aux_BCX, count_B, cfg):
     """Fused hidden of the context elements; rows beyond ``count`` are zeroed (padding)."""
     g_BCD = fuse_aux(params, aux_BCX, cfg=cfg)
@@ -111,10 +123,7 @@ def _context_g(params, aux_BCX, count_B, cfg):
 def parallel_draft(
     params,
     cache,
-    tokens_BC,
-    aux_BQX,
-    count_B,
-    start_B,
+    ctx: DraftContext,
     mask_g_D,
     embed_VD=None,
     *,
@@ -125,13 +134,12 @@ def parallel_draft(
 ):
     """P-EAGLE: all K draft depths in one forward pass over a fixed window of ``C + K - 1`` elements.
 
-    ``tokens_BC`` / ``aux_BQX``: the new context elements (token at j+1, target aux states of j), the first
-    ``count_B`` of each row valid (1 <= count <= C), the first at position ``start_B``; the aux states may sit
-    in a longer queue of Q >= C slots (:func:`peagle_jax.spec.state.queue_slots`), whose first C are read.
-    ``mask_g_D`` is :func:`fused_mask_hidden`. Returns ``(Draft, cache)`` with ``top_n`` candidates per depth.
+    ``ctx``: the new context elements (:class:`DraftContext`). ``mask_g_D`` is :func:`fused_mask_hidden`.
+    Returns ``(Draft, cache)`` with ``top_n`` candidates per depth.
     """
     if not cfg.parallel:
         raise ValueError("parallel_draft needs a P-EAGLE drafter (mask token and mask_hidden)")
+    tokens_BC, aux_BQX, count_B, start_B = ctx
     B, C = tokens_BC.shape
     aux_BCX = aux_BQX[:, :C]
     T = C + K - 1
@@ -156,10 +164,7 @@ def parallel_draft(
 def sequential_draft(
     params,
     cache,
-    tokens_BC,
-    aux_BQX,
-    count_B,
-    start_B,
+    ctx: DraftContext,
     embed_VD=None,
     *,
     cfg: DrafterConfig,
@@ -174,8 +179,9 @@ def sequential_draft(
     (in target ids) and whose g is the previous pass's output hidden state. Same inputs and outputs as
     :func:`parallel_draft`; works for P-EAGLE checkpoints too (the baseline P-EAGLE is measured against).
     """
+    tokens_BC, aux_BQX, count_B, start_B = ctx
     B, C = tokens_BC.shape
-    aux_BCX = aux_BQX[:, :C]  # the context may sit in a longer queue (see parallel_draft)
+    aux_BCX = aux_BQX[:, :C]  # the context may sit in a longer queue (see DraftContext)
     count_B = count_B.astype(jnp.int32)
     g_BCD = _context_g(params, aux_BCX, count_B, cfg)
     last_B1 = (count_B - 1)[:, None]

@@ -9,6 +9,7 @@ bucket, whatever the prompts are.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import time
@@ -20,7 +21,7 @@ import numpy as np
 
 from peagle_jax import executables
 from peagle_jax.engine.buckets import BATCH_BUCKETS, ONE_ROW_PAD, PREFILL_BUCKETS, WINDOW_BUCKETS, bucket
-from peagle_jax.engine.overlap import Launched, launch_then_read
+from peagle_jax.engine.overlap import Launched, StepLoop
 from peagle_jax.engine.state import RowState, host_copy
 from peagle_jax.errors import UserError
 from peagle_jax.logprobs import prefill_logprobs, token_logprobs
@@ -126,6 +127,15 @@ class Generator:
         # Whether the serving engine's steps also return the emitted tokens' raw log-probabilities (a static
         # flag of the step graphs: :mod:`peagle_jax.logprobs`); the batch generators leave it off.
         self.logprobs = False
+
+    def twin(self) -> Generator:
+        """The same model and graphs with statistics of its own (a serving engine's shadow)."""
+        twin = copy.copy(self)
+        twin.stats = StepStats()
+        return twin
+
+    def reset_statistics(self) -> None:
+        """Zero the counters of the speculative steps, in place (others hold them): none here."""
 
     def check_request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
         """Raise :class:`RequestError` when these prompts cannot be generated from (empty, too long, ids
@@ -344,7 +354,7 @@ class Generator:
         self.stats.prefill_s += time.perf_counter() - t0
         done = np.zeros(B, bool)
         done[n:] = True
-        pending = Launched(first, ~done)
+        loop = StepLoop(Launched(first, ~done))  # the prefill's first tokens: read like a step's
         produced = np.zeros(B, np.int32)
         t_loop, t_caller = time.perf_counter(), 0.0
 
@@ -368,12 +378,15 @@ class Generator:
             self.stats.decode_steps += 1
             return Launched(next_B, live)
 
+        def following(pending: Launched):
+            return launch if np.any(~done & (produced + 1 < max_new_tokens)) else None
+
         while True:
             # The next step is launched before this step's tokens are read (engine.overlap). It is skipped
             # when every live row is about to reach max_new_tokens; when all rows stop on a stop token
             # instead, its result is dropped.
-            wants = np.any(~done & (produced + 1 < max_new_tokens))
-            tokens_host, following = launch_then_read(pending, launch if wants else None)
+            # (The loop always holds a launched step: choose and run, for a step launched afresh, never run.)
+            tokens_host = loop.turn(None, None, None, following).tokens
             gained = [[] for _ in range(n)]
             for b in range(n):
                 self._emit(b, [int(tokens_host[b])], gained, produced, done, stops, max_new_tokens)
@@ -384,7 +397,6 @@ class Generator:
             if done.all():
                 self.stats.decode_s += time.perf_counter() - t_loop - t_caller
                 return
-            pending = following
 
     def generate(self, prompts: Sequence[Sequence[int]], **kwargs) -> list[GenerationResult]:
         """Run :meth:`stream` to the end; one :class:`GenerationResult` per prompt."""

@@ -46,7 +46,7 @@ def register_serialization() -> None:
     global _registered
     if _registered:
         return
-    from peagle_jax.drafter.draft import Draft
+    from peagle_jax.drafter.draft import Draft, DraftContext
     from peagle_jax.logit_rules import LogitRules
     from peagle_jax.logprobs import TokenLogprobs
     from peagle_jax.models.cache import KVCache
@@ -54,7 +54,7 @@ def register_serialization() -> None:
     from peagle_jax.sampling import SamplingParams
     from peagle_jax.spec.verify import VerifyOut
 
-    for cls in (SamplingParams, ForwardOut, VerifyOut, Draft, LogitRules, TokenLogprobs):
+    for cls in (SamplingParams, ForwardOut, VerifyOut, Draft, DraftContext, LogitRules, TokenLogprobs):
         export.register_namedtuple_serialization(cls, serialized_name=f"peagle_jax.{cls.__name__}")
     # A flax.struct dataclass with no static fields: its pytree aux data is the empty tuple.
     export.register_pytree_node_serialization(

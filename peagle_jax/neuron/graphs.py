@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
 from peagle_jax.drafter.config import DrafterConfig
-from peagle_jax.drafter.draft import drafter_prefill, fused_mask_hidden, parallel_draft, sequential_draft
+from peagle_jax.drafter.draft import DraftContext, drafter_prefill, fused_mask_hidden, parallel_draft, sequential_draft
 from peagle_jax.drafter.model import init_drafter_params, new_drafter_cache
 from peagle_jax.engine.generator import Generator, decode_step, sample_jit
 from peagle_jax.logit_rules import LogitRules, count_tokens, mask_words, start_row
@@ -200,7 +200,7 @@ def speculative_graphs(cfg, params, dcfg, dparams, buckets: ServingBuckets, tree
     for B in gen.batch_buckets:
         cache, dcache = _cache(cfg, B, S, mesh), _dcache(dcfg, B, S, mesh)
         ints = sds((B,), jnp.int32)
-        ctx = (sds((B, C), jnp.int32), sds((B, Q, X), dt), ints, ints)  # a draft reads C of the Q aux slots
+        ctx = DraftContext(sds((B, C), jnp.int32), sds((B, Q, X), dt), ints, ints)  # a draft reads C of Q aux slots
         prefills = prefill_keys(gen.prefill_buckets, gen.window_buckets, buckets.max_seq_len)
         out += [_prefill_graph(cfg, params, cache, B, S, T, W) for T, W in prefills]
         for T, W in prefills:
@@ -208,7 +208,7 @@ def speculative_graphs(cfg, params, dcfg, dparams, buckets: ServingBuckets, tree
             out.append(Graph(f"drafter_prefill_b{B}_s{S}_t{T}_w{W}", drafter_prefill, args, dict(cfg=dcfg, window=W)))
         if buckets.adaptive:  # make_room: the Q queued context elements, at any window they can reach
             for W in windows_up_to(gen.window_buckets, buckets.max_seq_len + Q):
-                args = (dparams, dcache, sds((B, Q), jnp.int32), ctx[1], ints, ints, sds((B,), jnp.bool_), embed)
+                args = (dparams, dcache, sds((B, Q), jnp.int32), ctx.aux, ints, ints, sds((B,), jnp.bool_), embed)
                 name = f"flush_context_b{B}_s{S}_c{Q}_w{W}"
                 out.append(Graph(name, flush_context, args, dict(cfg=dcfg, window=W)))
         for step in steps:
@@ -217,16 +217,16 @@ def speculative_graphs(cfg, params, dcfg, dparams, buckets: ServingBuckets, tree
             if not step.depth:
                 continue
             tn = f"c{C}_{tree_name(step)}"
-            args = (ctx[1], sds((B, step.depth + 1, X), dt), ints, sds((B,), jnp.bool_))
+            args = (ctx.aux, sds((B, step.depth + 1, X), dt), ints, sds((B,), jnp.bool_))
             out.append(Graph(f"write_context_b{B}_c{Q}_n{step.depth + 1}", write_context, args, {}))
             for Wd in draft_windows:
                 static = dict(cfg=dcfg, K=step.depth, top_n=step.width, window=Wd)  # drafts sample nothing
                 if "parallel" in kinds:
-                    args = (dparams, dcache, *ctx, mask_g, embed)
+                    args = (dparams, dcache, ctx, mask_g, embed)
                     name = f"parallel_draft_b{B}_s{S}_{tn}_n{step.width}_w{Wd}"
                     out.append(Graph(name, parallel_draft, args, static))
                 if "sequential" in kinds:
-                    args = (dparams, dcache, *ctx, embed)
+                    args = (dparams, dcache, ctx, embed)
                     name = f"sequential_draft_b{B}_s{S}_{tn}_n{step.width}_w{Wd}"
                     out.append(Graph(name, sequential_draft, args, static))
         out += _counting_graphs(B, cfg.vocab_size, [1, K + 1])
@@ -240,7 +240,7 @@ def _step_graphs(cfg, params, dcfg, dparams, buckets, gen, step: Tree, B, caches
     cache, dcache, ctx = caches
     S, tn, ints = gen.num_slots, tree_name(step), sds((B,), jnp.int32)
     served = _served(B, cfg.vocab_size, step.size + 1)  # a mask per tree node
-    C, Q = ctx[0].shape[1], ctx[1].shape[1]  # the draft's context slots, the queue's
+    C, Q = ctx.tokens.shape[1], ctx.aux.shape[1]  # the draft's context slots, the queue's
     embed = None if dcfg.own_embedding else params["embed_tokens"]
     mask_g = sds((dcfg.hidden_size,), dcfg.layer.jnp_dtype) if dcfg.parallel else None
     verify_windows = windows_up_to(gen.window_buckets, buckets.max_seq_len + step.size + 1)
@@ -252,7 +252,7 @@ def _step_graphs(cfg, params, dcfg, dparams, buckets, gen, step: Tree, B, caches
         g, W = key.greedy_only, key.window
         mode = "greedy" if g else "sampling"
         if not step.depth:  # the target decodes the root; its aux state joins the draft context
-            args = (params, cache, ctx[1], ints, ints, ints, sds((B,), jnp.bool_), *verify_args[-2:])
+            args = (params, cache, ctx.aux, ints, ints, ints, sds((B,), jnp.bool_), *verify_args[-2:])
             static = dict(cfg=cfg, window=W, greedy_only=g, **served)
             out.append(Graph(f"plain_b{B}_s{S}_c{Q}_w{W}_{mode}", plain_step, args, static))
             continue
@@ -266,7 +266,7 @@ def _step_graphs(cfg, params, dcfg, dparams, buckets, gen, step: Tree, B, caches
         mode = "greedy" if g else "sampling"
         for kind in kinds:
             seq = kind == "sequential"
-            args = (params, cache, dparams, dcache, *ctx, None if seq else mask_g, embed, ints, ints)
+            args = (params, cache, dparams, dcache, ctx, None if seq else mask_g, embed, ints, ints)
             args += (sds((B,), jnp.uint32), _sampling(B))
             static = dict(cfg=cfg, dcfg=dcfg, tree=step, sequential=seq, draft_window=W, window=W, greedy_only=g)
             static |= served

@@ -28,7 +28,7 @@ from peagle_jax.serve import protocol, responses
 from peagle_jax.serve.protocol import APIError, ChatRequest, CompletionRequest
 from peagle_jax.serve.requests import Translator
 from peagle_jax.serve.responses import Choice, Formatter
-from peagle_jax.serve.slots import SlotRequest
+from peagle_jax.serve.slot_io import SlotRequest
 from peagle_jax.serve.worker import EngineWorker, Failure, QueueFull
 
 log = logging.getLogger("peagle_jax.serve")

@@ -78,32 +78,43 @@ class Metrics:
                 out.append(f"{p}_{name}{suffix}{lab} {value}")
 
         with self._lock:
-            family(
-                "requests_total",
-                "counter",
-                "Requests by endpoint and outcome (ok, client_gone, bad_request, rejected, error).",
-                [("", {"endpoint": e, "outcome": o}, n) for (e, o), n in sorted(self.requests.items())],
-            )
-            family("prompt_tokens_total", "counter", "Prompt tokens.", [("", {}, self.prompt_tokens)])
-            family("completion_tokens_total", "counter", "Tokens generated.", [("", {}, self.completion_tokens)])
-            cumulative = [("_bucket", {"le": str(e)}, n) for e, n in zip(STEP_BUCKETS, self.step_buckets, strict=True)]
-            family(
-                "step_seconds",
-                "histogram",
-                "Wall time of one engine step over all active slots.",
-                [
-                    *cumulative,
-                    ("_bucket", {"le": "+Inf"}, self.step_count),
-                    ("_sum", {}, f"{self.step_sum:.6f}"),
-                    ("_count", {}, self.step_count),
-                ],
-            )
-            family(
-                "time_to_first_token_seconds",
-                "summary",
-                "From admission to a slot until the first token (prefill).",
-                [("_sum", {}, f"{self.ttft_sum:.6f}"), ("_count", {}, self.ttft_count)],
-            )
+            self._traffic(family)
+        self._engine(family)
+        if self.spec_stats is not None or self.structured is not None:
+            self._speculation(family)
+        return "\n".join(out) + "\n"
+
+    def _traffic(self, family) -> None:
+        """Requests, tokens, step times and time to first token (under the lock)."""
+        family(
+            "requests_total",
+            "counter",
+            "Requests by endpoint and outcome (ok, client_gone, bad_request, rejected, error).",
+            [("", {"endpoint": e, "outcome": o}, n) for (e, o), n in sorted(self.requests.items())],
+        )
+        family("prompt_tokens_total", "counter", "Prompt tokens.", [("", {}, self.prompt_tokens)])
+        family("completion_tokens_total", "counter", "Tokens generated.", [("", {}, self.completion_tokens)])
+        cumulative = [("_bucket", {"le": str(e)}, n) for e, n in zip(STEP_BUCKETS, self.step_buckets, strict=True)]
+        family(
+            "step_seconds",
+            "histogram",
+            "Wall time of one engine step over all active slots.",
+            [
+                *cumulative,
+                ("_bucket", {"le": "+Inf"}, self.step_count),
+                ("_sum", {}, f"{self.step_sum:.6f}"),
+                ("_count", {}, self.step_count),
+            ],
+        )
+        family(
+            "time_to_first_token_seconds",
+            "summary",
+            "From admission to a slot until the first token (prefill).",
+            [("_sum", {}, f"{self.ttft_sum:.6f}"), ("_count", {}, self.ttft_count)],
+        )
+
+    def _engine(self, family) -> None:
+        """Queue, slots and compilation."""
         family("queue_depth", "gauge", "Requests waiting for a free slot.", [("", {}, self.queue_depth())])
         family("active_slots", "gauge", "Slots holding a request.", [("", {}, self.active_slots())])
         family("max_slots", "gauge", "Slots (--max-batch).", [("", {}, self.max_slots)])
@@ -132,6 +143,9 @@ class Metrics:
             "tracing (store), or traced and compiled, then stored (compiled).",
             [("", {"source": "store"}, stored["loaded"]), ("", {"source": "compiled"}, stored["compiled"])],
         )
+
+    def _speculation(self, family) -> None:
+        """Structured outputs and speculative decoding: acceptance, step lengths, the lazy drafter."""
         if self.structured is not None:
             family(
                 "structured_requests_total",
@@ -209,4 +223,3 @@ class Metrics:
                     for k, n in enumerate(spec.accepted_per_position)
                 ],
             )
-        return "\n".join(out) + "\n"

@@ -9,7 +9,8 @@
   drafter prefill and a row's queued draft context is dropped when full (:meth:`StepPolicy.lazy_at`); when
   drafting pays again, one row per step is re-seeded (:meth:`StepPolicy.resync_row`);
 - compiling while serving: a drafting step whose graphs still compile in the background
-  (:attr:`StepPolicy.compiling`) gives way to a plain step; outputs never change, only the speed.
+  (:attr:`StepPolicy.compiling`) gives way to a plain step where plain steps are served (the adaptive policy,
+  a load threshold of K' = 0); outputs never change, only the speed.
 
 A plain engine (no drafter) always runs plain steps.
 """
@@ -21,7 +22,6 @@ from collections.abc import Sequence
 
 from peagle_jax.engine.generator import RequestError
 from peagle_jax.spec.adaptive import AdaptiveK, adaptive_policy, step_trees
-from peagle_jax.spec.plan import StepKey
 from peagle_jax.spec.tree import Tree, chain
 
 
@@ -38,7 +38,7 @@ class StepPolicy:
         if load_k and adaptive:
             raise RequestError("choose either fixed load thresholds or the adaptive K, not both")
         self.speculative, self.tree = speculative, gen.tree if speculative else None
-        self.chains = gen.chains if chains is None and speculative else chains
+        self.chains = getattr(gen, "chains", None) if chains is None and speculative else chains
         self.load_k = tuple(load_k)
         self.load_trees: list[tuple[int, Tree]] = []
         for n, k in sorted(load_k):
@@ -61,8 +61,17 @@ class StepPolicy:
         self.resync_min_left = 64
         # The step keys whose graphs still compile in the background: a drafting step among them runs a plain
         # step instead. Another thread removes keys as they compile.
-        self.compiling: set[StepKey] = set()
+        self.compiling: set = set()  # of warm-up tasks (StepKey, peagle_jax.serve.warmup.Admit)
+        # The engine's thread never compiles one of those: a step or an admission that needs one waits (see
+        # :meth:`ready`) and asks for it through ``on_missing(task)`` (the server's background compiler then
+        # takes it next), so that the thread stays free to take cancellations. ``waiting_for``: the task
+        # waited for, else None.
+        self.on_missing = None
+        self.waiting_for = None
         self._times: AdaptiveK | None = None  # step times calibrated elsewhere, adopted on the next step
+        # Whether plain steps are among the steps served (their graphs warm-up tasks): only then does a
+        # drafting step still compiling give way to one (else it waits for its graphs, compiling nothing).
+        self.plain_served = chain(0) in self.trees()
         self.reset()
 
     def reset(self) -> None:
@@ -130,7 +139,8 @@ class StepPolicy:
     def choose(self, R: int, *, active: int, synced: float, key_of) -> Tree:
         """The tree of the next step over R rows (depth 0: a plain step) with ``active`` busy slots of which a
         fraction ``synced`` keeps its drafter current; a choice :meth:`remember`-ed for R is used first. A
-        drafting tree whose step key (``key_of(tree)``) still compiles gives way to a plain step."""
+        drafting tree whose step key (``key_of(tree)``) still compiles gives way to a plain step where plain
+        steps are served (:attr:`plain_served`)."""
         chosen, self._chosen = self._chosen, None
         if chosen is not None and chosen[0] == R:
             tree = chosen[1]
@@ -140,11 +150,26 @@ class StepPolicy:
             tree = self.choices[self.adaptive.choose(R, synced)]
         else:
             tree = self.tree_for(active) or self.tree
-        return chain(0) if tree.depth and self.compiling and key_of(tree) in self.compiling else tree
+        compiling = tree.depth and self.compiling and key_of(tree) in self.compiling
+        return chain(0) if compiling and self.plain_served else tree
 
     def remember(self, R: int, tree: Tree) -> None:
         """Keep a choice made while a plain step ran (and not launched on it) for the next step over R rows."""
         self._chosen = (R, tree)
+
+    def missing(self, tasks) -> list:
+        """Those of ``tasks`` still compiling in the background."""
+        compiling = self.compiling
+        return [t for t in tasks if t in compiling] if compiling else []
+
+    def ready(self, tasks) -> bool:
+        """Whether the graphs of ``tasks`` are compiled; if not, the missing ones are asked for (the first
+        named first) and :attr:`waiting_for` names the first."""
+        missing = self.missing(tasks)
+        self.waiting_for = missing[0] if missing else None
+        for task in reversed(missing) if self.on_missing is not None else ():
+            self.on_missing(task)
+        return not missing
 
     # -- the lazy drafter --------------------------------------------------------------------------------
 

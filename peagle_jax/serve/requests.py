@@ -17,7 +17,7 @@ from peagle_jax.engine.generator import RequestError
 from peagle_jax.errors import UserError
 from peagle_jax.serve import protocol
 from peagle_jax.serve.protocol import APIError, ChatRequest, CompletionRequest
-from peagle_jax.serve.slots import SlotRequest, next_request_id
+from peagle_jax.serve.slot_io import SlotRequest, next_request_id
 
 DEFAULT_COMPLETION_TOKENS = 16  # the OpenAI default for /v1/completions; chat defaults to the remaining context
 GRAMMAR_CACHE = 256  # compiled grammars kept, by their request

@@ -18,7 +18,7 @@ from peagle_jax.serve import protocol
 from peagle_jax.serve.logprobs import LogprobsWriter
 from peagle_jax.serve.protocol import APIError, ChatRequest
 from peagle_jax.serve.requests import echo_of
-from peagle_jax.serve.slots import SlotRequest
+from peagle_jax.serve.slot_io import SlotRequest
 
 DONE = "data: [DONE]\n\n"  # the last server-sent event of a stream
 

@@ -10,7 +10,7 @@ once with the generator's graphs, in four phases:
 1. **choose** the step: a plain step or a drafted tree (:class:`peagle_jax.serve.policy.StepPolicy`: load
    thresholds, the adaptive policy, the lazy drafter and its re-seeds, graphs still compiling);
 2. **launch** it: a plain step through ``gen.launch_plain`` (both generators, on the same row state), a
-   draft -> verify step through :meth:`peagle_jax.spec.generator.SpeculativeGenerator.run_step`; the rows'
+   draft -> verify step through :meth:`peagle_jax.spec.stepper.SpecStepper.run_step`; the rows'
    sampling parameters, penalties and grammar masks come from :class:`peagle_jax.serve.rows.SlotRows`;
 3. **read** its tokens: plain steps overlap the host (:mod:`peagle_jax.engine.overlap`): a step launches the
    next plain step on the unread device-side tokens of the last before it reads them, so the host's
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import time
 from collections.abc import Sequence
 
@@ -45,7 +44,7 @@ import numpy as np
 from peagle_jax import executables
 from peagle_jax.drafter.model import new_drafter_cache
 from peagle_jax.engine.generator import Generator, RequestError, sample_jit
-from peagle_jax.engine.overlap import Launched, launch_then_read
+from peagle_jax.engine.overlap import Launched, StepLoop, merge_roots
 from peagle_jax.engine.state import RowState, host_copy
 from peagle_jax.grammar import Grammars
 from peagle_jax.logprobs import first_logprobs, host_logprobs, row_logprobs
@@ -54,83 +53,13 @@ from peagle_jax.sampling import SamplingParams, greedy_graph
 from peagle_jax.serve import warmup as warming
 from peagle_jax.serve.policy import StepPolicy
 from peagle_jax.serve.rows import SlotRows
+from peagle_jax.serve.slot_io import Slot, SlotEvent, SlotRequest
 from peagle_jax.serve.warmup import WarmTask
 from peagle_jax.spec.adaptive import AdaptiveK
-from peagle_jax.spec.generator import SpeculativeGenerator
 from peagle_jax.spec.plan import StepKey
 from peagle_jax.spec.state import SpecState
+from peagle_jax.spec.stepper import SpecStepper
 from peagle_jax.spec.tree import Tree
-
-_ids = itertools.count(1)
-
-
-def next_request_id() -> int:
-    """A new request id (also used to name a request group)."""
-    return next(_ids)
-
-
-@dataclasses.dataclass
-class SlotRequest:
-    """One generation request: token ids in, at most ``max_new_tokens`` out, stopping after any of
-    ``stop_token_ids`` (None: the model's EOS ids). ``group`` / ``group_size``: the choices of one API request
-    with ``n`` > 1 (the same prompt, other seeds) share one prefill (:meth:`SlotEngine.admit`)."""
-
-    prompt: Sequence[int]
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    stop_token_ids: Sequence[int] | None = None
-    group: int | None = None
-    group_size: int = 1
-    id: int = dataclasses.field(default_factory=next_request_id)
-    echo: bool = False  # the admission's event also carries the prompt's log-probabilities (needs logprobs)
-    # :mod:`peagle_jax.logit_rules` (need the engine's ``rules``): penalties over the tokens generated so far,
-    # a bias added to the logits of token ids, and a grammar the answer follows (:meth:`Grammars.compile
-    # <peagle_jax.grammar.Grammars.compile>`; needs the engine's ``grammars``)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] | None = None
-    grammar: str | None = None
-
-    @property
-    def penalized(self) -> bool:
-        """Whether the request changes the logits (penalties or a logit bias)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
-
-
-@dataclasses.dataclass
-class SlotEvent:
-    """Tokens a request gained in one step; ``finish_reason`` is set on its last event: "stop" (a stop
-    token, included in ``tokens``), "length" or "cancelled". With the engine's :attr:`SlotEngine.logprobs`,
-    ``logprobs`` holds per token its raw log-probability and the top ones:
-    (logprob, [(token id, logprob), ...]), most likely first (:func:`peagle_jax.logprobs.row_logprobs`)."""
-
-    request: SlotRequest
-    tokens: list[int]
-    finish_reason: str | None = None
-    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
-    # An echo request's admission: the log-probabilities of its prompt tokens after the first, as ``logprobs``.
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
-
-
-@dataclasses.dataclass
-class _Slot:
-    request: SlotRequest
-    stops: frozenset[int]
-    tokens: list[int] = dataclasses.field(default_factory=list)  # generated so far (to re-seed the drafter)
-
-    @property
-    def produced(self) -> int:
-        return len(self.tokens)
-
-
-@executables.jit
-def merge_roots(fresh_R, host_R, device_R):
-    """The tokens a plain step feeds: the host's for the ``fresh`` rows (admitted since the last launch),
-    else the previous step's unread output."""
-    return jnp.where(fresh_R, host_R, device_R)
 
 
 @functools.partial(executables.jit, donate_argnames=("big",))
@@ -158,7 +87,8 @@ class _GroupPrefill:
 
 
 class SlotEngine:
-    """B fixed slots over one generator (plain :class:`Generator` or :class:`SpeculativeGenerator`).
+    """B fixed slots over one generator: plain (:class:`Generator`) or speculative (a
+    :class:`~peagle_jax.spec.stepper.SpecStepper`, e.g. :class:`~peagle_jax.spec.generator.SpeculativeGenerator`).
 
     Not thread-safe: one thread calls :meth:`admit`, :meth:`cancel` and :meth:`step` (the server's engine
     thread, :mod:`peagle_jax.serve.worker`).
@@ -192,7 +122,7 @@ class SlotEngine:
             raise RequestError(f"max_batch must be >= 1, got {max_batch}")
         self.gen, self.B = gen, max_batch
         self.logprobs = gen.logprobs = logprobs
-        self.speculative = isinstance(gen, SpeculativeGenerator)
+        self.speculative = isinstance(gen, SpecStepper)
         self.choice = StepPolicy(gen, speculative=self.speculative, load_k=load_k, adaptive=adaptive, chains=chains)
         self.rows = SlotRows(max_batch, gen.cfg.vocab_size, rules=rules, grammars=grammars)
         self.structured = {"requests": 0, "target_forwards": 0, "emitted": 0}  # of the rows with a grammar
@@ -209,6 +139,8 @@ class SlotEngine:
     # The step-length policy's parts that the server and the tests read or replace.
     policy = property(lambda self: self.choice.adaptive, lambda self, p: setattr(self.choice, "adaptive", p))
     compiling = property(lambda self: self.choice.compiling)
+    waiting_for = property(lambda self: self.choice.waiting_for)
+    on_missing = property(lambda self: self.choice.on_missing, lambda self, f: setattr(self.choice, "on_missing", f))
     grammars = property(lambda self: self.rows.grammars)
 
     def describe(self) -> str:
@@ -240,16 +172,15 @@ class SlotEngine:
             self.state = SpecState.start(
                 np.zeros(B, np.int32), jnp.zeros((B, X), gen.cfg.jnp_dtype), np.ones(B, np.int32), gen.Q
             )
-        self.slots: list[_Slot | None] = [None] * B
+        self.slots: list[Slot | None] = [None] * B
         self.rows.reset()
         self.choice.reset()
         self._group: _GroupPrefill | None = None  # the request group being admitted
-        self._launched: Launched | None = None  # a plain step not read yet
+        self._loop = StepLoop()  # holds the plain step launched and not read yet
 
     def forget_statistics(self) -> None:
         """Zero the counters (after a warm-up); in place where the server's /metrics holds them."""
-        if self.speculative:
-            self.gen.spec.reset()
+        self.gen.reset_statistics()
         self.steps_by_k.clear()
         self.structured.update(dict.fromkeys(self.structured, 0))
         self.overlapped = self.resyncs = self.unsynced_admits = 0
@@ -281,7 +212,7 @@ class SlotEngine:
         """Slot b serves ``req`` (its row state and parameters set by the caller; a warm-up's scratch request
         sets only its sampling mode)."""
         stops = self.gen.cfg.eos_token_ids if req.stop_token_ids is None else req.stop_token_ids
-        self.slots[b] = _Slot(req, frozenset(int(t) for t in stops))
+        self.slots[b] = Slot(req, frozenset(int(t) for t in stops))
         if self.rows.temperature[b] != req.temperature:
             self.rows.set_temperature(b, req.temperature)
 
@@ -341,6 +272,10 @@ class SlotEngine:
             event.prompt_logprobs = echoed[:-1]  # the last predicts the first generated token: in ``logprobs``
         return event
 
+    def admission_ready(self, req: SlotRequest) -> bool:
+        """Whether admitting ``req`` calls only compiled graphs (:meth:`StepPolicy.ready`)."""
+        return self.choice.ready(warming.admit_tasks(self.gen, len(req.prompt), req.temperature))
+
     def _prefill(self, req: SlotRequest, b: int) -> tuple[tuple, list]:
         """``req``'s 1-row prefill (shared within its request group) and its echoed prompt log-probabilities:
         ((last logits, cache, drafter cache or None, aux or None), log-probabilities)."""
@@ -385,7 +320,10 @@ class SlotEngine:
         if not self.choice.lazy:
             return None
         left = {b: s.request.max_new_tokens - s.produced for b, s in enumerate(self.slots[:R]) if s and s.tokens}
-        return self.choice.resync_row(R, left, self.state.synced)
+        b = self.choice.resync_row(R, left, self.state.synced)
+        if b is not None and self.choice.missing(warming.admit_tasks(self.gen, int(self.state.q[b]))):
+            return None  # its prefill still compiles: the row stays unsynced for now (drafts only cost)
+        return b
 
     def _resync(self, b: int) -> None:
         """Re-seed row b's drafter (no step launched and unread): prefill its committed tokens but the last
@@ -417,34 +355,38 @@ class SlotEngine:
         overrides the policy and runs synchronously (a plain step for ``chain(0)``)."""
         # 1. Choose: the plain step launched by the last call (if it still counts for a row), else a new step.
         self.choice.take_times()
-        launched, self._launched, events = self._launched, None, []
-        if launched is not None and not self._valid(launched).any():
-            launched = None  # its rows all ended or left: nothing to read
-        if launched is not None and tree is not None:  # a given step runs after the unread one is read
-            events, launched = self._read(launched, record=True), None
+        loop, events = self._loop, []
+        if loop.pending is not None and not self._valid(loop.pending).any():
+            loop.pending = None  # its rows all ended or left: nothing to read
+        if loop.pending is not None and tree is not None:  # a given step runs after the unread one is read
+            pending, loop.pending = loop.pending, None
+            events = self._read(pending, record=True)
         live = self._live()
         if not live.any():
             return events
-        R = self.rows_for(live)
-        if launched is None:
-            explicit = tree is not None
+        R, explicit = self.rows_for(live), tree is not None
+
+        def choose() -> Tree | None:
             resync = None if explicit else self._resync_row(R)
             if resync is not None:
                 self._resync(resync)
-            tree = tree or self._choose(R)
-            # 2. Launch. A draft -> verify step is read (3) and emitted (4) at once.
-            if tree.depth:
-                return events + self._speculative_step(live, R, tree, record=not explicit)
-            launched = self._launch(live[:R])
-            if explicit or not self.overlap:
-                return events + self._read(launched, record=not explicit)
-        # ... and the following plain step on this one's unread tokens, where the next step is plain.
-        valid = self._valid(launched)
-        launch_next = self._following(launched, valid, live, R)
-        # 3. Read.
-        next_R, self._launched = launch_then_read(launched, launch_next)
+            chosen = tree or self._choose(R)
+            # None: its graphs compile in the background (asked for next); the next call tries again.
+            return chosen if explicit or self._compiled(R, chosen) else None
+
+        # 2. Launch: a drafting step runs (and is read and emitted) at once; a plain one is launched, and the
+        # one after it on its unread tokens where that can be (:meth:`_following`). 3. Read the plain step.
+        turn = loop.turn(
+            choose,
+            lambda t: self._speculative_step(live, R, t, record=not explicit),
+            lambda: self._launch(live[:R]),
+            lambda pending: self._following(pending, live, R),
+            overlap=self.overlap and not explicit,
+        )
+        if turn.launched is None:
+            return events + (turn.result or [])
         # 4. Emit.
-        return events + self._read(launched, record=True, valid=valid, next_R=next_R)
+        return events + self._read(turn.launched, record=not explicit, next_R=turn.tokens)
 
     def _choose(self, R: int) -> Tree:
         """The tree of the next step over R rows (depth 0: a plain step): :meth:`StepPolicy.choose`."""
@@ -452,21 +394,27 @@ class SlotEngine:
         synced = float(np.mean(self.state.synced[busy])) if busy and self.speculative else 1.0
         return self.choice.choose(R, active=self.active, synced=synced, key_of=lambda t: self._step_key(R, t))
 
+    def _compiled(self, R: int, tree: Tree) -> bool:
+        """Whether the step of ``tree`` over R rows calls only compiled graphs (:meth:`StepPolicy.ready`)."""
+        return self.choice.ready([self._step_key(R, tree)])
+
     def _step_key(self, R: int, tree: Tree) -> StepKey:
         """The key of a step of ``tree`` over the first R rows now (:func:`peagle_jax.spec.plan.step_keys`)."""
         live = self._live()[:R]
         window = self.gen.windows.verify_window(self.state.q[:R][live], tree)
         return StepKey(R, tree, window, self.rows.greedy_only(live))
 
-    def _following(self, launched: Launched, valid, live, R: int):
+    def _following(self, launched: Launched, live, R: int):
         """How to launch the next step on ``launched``'s unread tokens (``launch_next(tokens_R)``), or None
         when it cannot be: the next step drafts (it is remembered for the next call), a drafter-context flush
         or re-seed is due (they embed the queued tokens: they wait until those are read), a row with a
-        grammar needs its state after the unread tokens for its mask, or the row bucket changes."""
+        grammar needs its state after the unread tokens for its mask, the row bucket changes, or the next
+        step's graph still compiles."""
         following = self._choose(R)
+        valid = self._valid(launched)
         wants = self._wants(valid, live)[:R]
         blocked = self.gen.needs_flush(self.state, R, lazy=self.choice.lazy_at(R)) or self._resync_row(R) is not None
-        blocked = blocked or bool(self.rows.constrained[:R].any())
+        blocked = blocked or bool(self.rows.constrained[:R].any()) or not self._compiled(R, following)
         if following.depth or not wants.any() or launched.R != R or blocked:
             self.choice.remember(R, following)
             return None
@@ -528,18 +476,18 @@ class SlotEngine:
         """A draft -> verify step of ``tree`` over the first R rows, read at once."""
         sampling, seeds = self.rows.sampling(R)
         live_R = live[:R]
-        tokens, count, k, self.cache, self.dcache = self.gen.run_step(
+        result, self.cache, self.dcache = self.gen.run_step(
             self.cache, self.dcache, self.state, seeds, sampling, greedy_only=self.rows.greedy_only(live_R),
             live=live_R, tree=tree, rules=self.rows.tree_rules(live_R, tree),
         )  # fmt: skip
+        tokens, count, lp = result.tokens, result.count, result.logprobs
         self.rows.count(tokens, count, live_R)
         grammar_rows = self.rows.grammar_rows(live_R)
         self.structured["target_forwards"] += len(grammar_rows)
         self.structured["emitted"] += int(count[grammar_rows].sum())
         # The policy learns the acceptance of synced rows only: the others drafted from a stale context.
-        self.choice.record(R, k, time.perf_counter(), count[live_R & self.state.synced[:R]], learn=record)
-        self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
-        lp = self.gen.step_logprobs if self.logprobs else None
+        self.choice.record(R, result.k, time.perf_counter(), count[live_R & self.state.synced[:R]], learn=record)
+        self.steps_by_k[result.k] = self.steps_by_k.get(result.k, 0) + 1
         return [
             self._emit(b, tokens[b, : int(count[b])], None if lp is None else row_logprobs(lp, b, int(count[b])))
             for b in np.flatnonzero(live)

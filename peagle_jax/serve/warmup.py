@@ -12,20 +12,21 @@ caches on another thread.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
-from peagle_jax.engine.generator import StepStats
+from peagle_jax.engine.buckets import bucket
+from peagle_jax.engine.overlap import merge_roots
 from peagle_jax.platform import MapBudget
-from peagle_jax.sampling import greedy_modes
+from peagle_jax.sampling import greedy_graph, greedy_modes
+from peagle_jax.serve.slot_io import SlotRequest
 from peagle_jax.spec.adaptive import CALIBRATION_STEPS
 from peagle_jax.spec.plan import StepKey, step_keys
-from peagle_jax.spec.state import SpecStats
 from peagle_jax.spec.tree import Tree, chain
 
 
@@ -60,6 +61,48 @@ def admit_lengths(gen) -> list[int]:
     return sorted({min(start + T, gen.max_seq_len - 1) for start in starts for T in gen.prefill_buckets})
 
 
+def admit_tasks(gen, length: int, temperature: float = 0.0) -> list[Admit]:
+    """The :class:`Admit` tasks whose graphs an admission of a ``length``-token prompt calls: one per prefill
+    chunk (the task whose last chunk is that one), and the sampled first-token variant where it is a graph of
+    its own."""
+    chunk = gen.prefill_buckets[-1]
+    tasks = []
+    for start in range(0, length, chunk):
+        T = bucket(min(length - start, chunk), gen.prefill_buckets)
+        tasks.append(Admit(min(start + T, gen.max_seq_len - 1)))
+    if len(greedy_modes()) > 1 and not greedy_graph(temperature):
+        tasks.append(Admit(admit_lengths(gen)[0], 1.0))
+    return tasks
+
+
+class TaskQueue:
+    """Warm-up tasks in order, of which another thread may move some to the front (:meth:`urgent`): the
+    serving engine asks for the graphs a step or an admission is waiting for."""
+
+    def __init__(self, tasks: Iterable[WarmTask]):
+        self._tasks = list(tasks)
+        self._total = len(self._tasks)
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self._total
+
+    def __iter__(self) -> Iterator[WarmTask]:
+        while True:
+            with self._lock:
+                if not self._tasks:
+                    return
+                task = self._tasks.pop(0)
+            yield task
+
+    def urgent(self, task: WarmTask) -> None:
+        """Compile ``task`` next, if it is still to come. Thread-safe."""
+        with self._lock:
+            if task in self._tasks:
+                self._tasks.remove(task)
+                self._tasks.insert(0, task)
+
+
 def warmup_tasks(engine) -> list[WarmTask]:
     """Every graph a request can reach, in the order requests are likely to need them (small windows, few rows
     and plain steps first): the 1-row admission of each prefill length bucket (greedy; where the first-token
@@ -79,16 +122,16 @@ def warmup_tasks(engine) -> list[WarmTask]:
 
 
 def warm_up(engine, progress=None, tasks: Sequence[WarmTask] | None = None, *, calibrate: bool = True) -> float:
-    """:meth:`peagle_jax.serve.slots.SlotEngine.warmup`: compile ``tasks`` (default every :func:`warmup_tasks`)
-    and the small graphs around them (the root merge of an overlapped plain step, the token counts); with the
-    adaptive policy and ``calibrate``, then time every step length at every row bucket. A step key leaves the
-    policy's ``compiling`` set once compiled. ``progress(done, total)`` is called as it goes. Returns the
-    seconds spent."""
-    from peagle_jax.serve.slots import SlotRequest, merge_roots
-
+    """:meth:`peagle_jax.serve.slots.SlotEngine.warmup`: compile ``tasks`` (default every :func:`warmup_tasks`;
+    a :class:`TaskQueue` is taken as it is, so that another thread can reorder it meanwhile) and the small
+    graphs around them (the root merge of an overlapped plain step, the token counts); with the adaptive
+    policy and ``calibrate``, then time every step length at every row bucket. A task leaves the policy's
+    ``compiling`` set once compiled. ``progress(done, total)`` is called as it goes. Returns the seconds
+    spent."""
     t0 = time.perf_counter()
     gen, choice = engine.gen, engine.choice
-    tasks = warmup_tasks(engine) if tasks is None else list(tasks)
+    if not isinstance(tasks, TaskQueue):
+        tasks = TaskQueue(warmup_tasks(engine) if tasks is None else tasks)
     calibration = len(engine.row_buckets) * len(choice.choices) * CALIBRATION_STEPS if choice.adaptive else 0
     calibration *= calibrate
     total = len(tasks) + calibration  # the calibration's timed steps compile nothing: not in the budget
@@ -115,7 +158,7 @@ def warm_up(engine, progress=None, tasks: Sequence[WarmTask] | None = None, *, c
             assert ev.finish_reason == "length"
         else:  # one live row (the last of the row bucket) placed so that the step's window is the key's
             warm_step(engine, task.window, 0.0 if task.greedy_only else 1.0, task.tree, slot=task.rows - 1)
-            choice.compiling.discard(task)
+        choice.compiling.discard(task)
         advance()
     if choice.adaptive is not None:  # the steps above compiled: their times and acceptance mean nothing
         choice.fresh_adaptive()
@@ -133,15 +176,9 @@ def shadow(engine):
     """An engine of the same shapes and graphs with its own caches, statistics and policy, sharing
     ``engine``'s ``compiling`` set: its warm-up compiles, on another thread, the graphs ``engine`` then calls
     without compiling (the jit caches are shared). It holds a second set of caches."""
-    from peagle_jax.serve.slots import SlotEngine
-
-    gen = copy.copy(engine.gen)
-    gen.stats = StepStats()
-    if engine.speculative:
-        gen.spec = SpecStats(accepted_per_position=[0] * gen.K)
     c = engine.choice
-    twin = SlotEngine(
-        gen, engine.B, load_k=c.load_k, adaptive=c.adaptive is not None, chains=c.chains,
+    twin = type(engine)(
+        engine.gen.twin(), engine.B, load_k=c.load_k, adaptive=c.adaptive is not None, chains=c.chains,
         logprobs=engine.logprobs, grammars=engine.rows.grammars, rules=engine.rows.rules,
     )  # fmt: skip
     twin.overlap, twin.choice.compiling = engine.overlap, c.compiling
@@ -150,8 +187,6 @@ def shadow(engine):
 
 def _scratch_row(engine, b: int, temperature: float) -> None:
     """Slot b holds a scratch request that never ends (a warm-up's)."""
-    from peagle_jax.serve.slots import SlotRequest
-
     engine.hold(b, SlotRequest([0], 1 << 30, temperature=temperature, stop_token_ids=[]))
 
 

@@ -10,9 +10,12 @@ The thread never dies on a request: a failure while admitting one request ends t
 event; a failure inside a step ends every active request with an error and starts over with fresh caches.
 
 With ``background`` compilation (the server's default) the engine thread compiles only the first graphs
-(:func:`peagle_jax.serve.slots.first_tasks`) before :attr:`EngineWorker.ready` is set; a second thread then
+(:func:`peagle_jax.serve.warmup.first_tasks`) before :attr:`EngineWorker.ready` is set; a second thread then
 compiles the rest on the engine's :meth:`~peagle_jax.serve.slots.SlotEngine.shadow` while requests are
-served (:attr:`EngineWorker.graphs_pending` counts down).
+served (:attr:`EngineWorker.graphs_pending` counts down). The engine thread never compiles one of those
+itself: a drafting step runs plain until its graphs are there, and a plain step or an admission that needs
+a missing graph waits for it, which the compiler then takes next; the engine thread meanwhile goes on
+taking cancellations, so a client that disconnects frees its slot at once.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ from peagle_jax import executables
 from peagle_jax.engine.generator import RequestError
 from peagle_jax.errors import UserError
 from peagle_jax.serve.metrics import Metrics
-from peagle_jax.serve.slots import SlotEngine, SlotEvent, SlotRequest
-from peagle_jax.serve.warmup import first_tasks
+from peagle_jax.serve.slot_io import SlotEvent, SlotRequest
+from peagle_jax.serve.slots import SlotEngine
+from peagle_jax.serve.warmup import TaskQueue, first_tasks
 from peagle_jax.spec.plan import StepKey
 
 log = logging.getLogger("peagle_jax.serve")
@@ -55,6 +59,11 @@ class Failure:
 
 
 Deliver = Callable[[SlotEvent | Failure], None]
+
+
+def _drafting(task) -> bool:
+    """Whether a warm-up task is a drafting step's (which the engine replaces by a plain step until compiled)."""
+    return isinstance(task, StepKey) and task.tree.depth > 0
 
 
 class EngineWorker:
@@ -151,7 +160,7 @@ class EngineWorker:
             tasks = self.engine.warmup_tasks()
             first, rest = first_tasks(tasks, self.engine.gen.window_buckets[0]) if self._background else (tasks, [])
             self.graphs_total = len(tasks)
-            self.engine.compiling.update(t for t in rest if isinstance(t, StepKey))
+            self.engine.compiling.update(rest)
             self._compiling_since = time.perf_counter()
             try:
                 progress = self._counter("start", len(first))
@@ -171,14 +180,18 @@ class EngineWorker:
                 executables.drop_ahead()  # what the first graphs did not take waits for its first call
             if rest:
                 self._compiling_since = time.perf_counter()
+                rest = TaskQueue(rest)
+                self.engine.on_missing = rest.urgent  # a step or an admission waiting for a graph: compiled next
                 compiler = threading.Thread(target=self._compile, args=(rest,), name="peagle-compile", daemon=True)
                 self._compiler = compiler
                 compiler.start()
         self.ready.set()
         while True:
             idle = not self._waiting and self.engine.active == 0
-            self._drain(block=idle)
-            while self._waiting and self.engine.free:
+            # While the engine waits for a graph compiling in the background, cancellations are still taken
+            # every 20 ms (a client that leaves frees its slot at once, whatever the engine waits for).
+            self._drain(block=idle or self.engine.waiting_for is not None, timeout=0.5 if idle else 0.02)
+            while self._waiting and self.engine.free and self.engine.admission_ready(self._waiting[0][0]):
                 req, deliver = self._waiting.popleft()
                 self._admit(req, deliver)
                 with self._lock:  # counted as queued until it holds its slot (or failed): never neither
@@ -224,10 +237,15 @@ class EngineWorker:
             log.error("background compilation failed:\n%s", self.background_failed)
         finally:
             self._compile_s, self._compiling_since = self.compile_s, None
+            # Whatever did not compile (a failure, a shutdown) now compiles when first called, on the engine's
+            # thread, rather than being waited for; a drafting step still missing keeps running plain where
+            # plain steps are served.
+            engine, plain = self.engine, self.engine.choice.plain_served
+            engine.compiling.difference_update([t for t in list(engine.compiling) if not (plain and _drafting(t))])
 
-    def _drain(self, block: bool) -> None:
+    def _drain(self, block: bool, timeout: float = 0.5) -> None:
         try:
-            msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            msg = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:

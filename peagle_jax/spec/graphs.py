@@ -33,10 +33,7 @@ def fused_step(
     cache,
     dparams,
     dcache,
-    ctx_tokens,
-    ctx_aux,
-    ctx_count,
-    ctx_start,
+    ctx,
     mask_g,
     embed,
     root,
@@ -59,9 +56,9 @@ def fused_step(
     the verify's."""
     kw = dict(cfg=dcfg, K=tree.depth, top_n=tree.width, window=draft_window)
     if sequential:
-        draft, dcache = sequential_draft(dparams, dcache, ctx_tokens, ctx_aux, ctx_count, ctx_start, embed, **kw)
+        draft, dcache = sequential_draft(dparams, dcache, ctx, embed, **kw)
     else:
-        draft, dcache = parallel_draft(dparams, dcache, ctx_tokens, ctx_aux, ctx_count, ctx_start, mask_g, embed, **kw)
+        draft, dcache = parallel_draft(dparams, dcache, ctx, mask_g, embed, **kw)
     out, cache = verify(
         params,
         cache,

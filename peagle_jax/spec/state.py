@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from peagle_jax.engine.state import RowState
-from peagle_jax.spec.graphs import write_context
 from peagle_jax.spec.tree import Tree
 
 QUEUE = 16  # context elements plain steps may queue before one flush_context writes them (at least K + 1)
@@ -109,10 +108,11 @@ class SpecState(RowState):
         """Row b is free: it idles at position 1 with one queued element (a draft reads at least one)."""
         self.ctx_count[b], self.ctx_start[b], self.q[b], self.root[b] = 1, 0, 1, 0
 
-    def advance(self, tokens_RC, count_R, aux_RPX, live_R) -> None:
+    def advance(self, tokens_RC, count_R, live_R) -> None:
         """Commit a draft -> verify step's output for the live rows among the first R (= ``len(count_R)``);
         the others stay in place. ``tokens_RC``: the emitted tokens padded to the C = K + 1 slots a draft
-        reads; ``aux_RPX``: the verify's aux states, P = K' + 1 <= C for a step of depth K'."""
+        reads. The verify's aux states go into ``ctx_aux`` on the device, by the stepper
+        (:meth:`peagle_jax.spec.stepper.SpecStepper.run_step`)."""
         R, live_R = len(count_R), np.asarray(live_R, bool)
         self.ctx_start[:R] = np.where(live_R, self.q[:R], self.ctx_start[:R])
         self.q[:R] += np.where(live_R, count_R, 0).astype(np.int32)
@@ -121,8 +121,6 @@ class SpecState(RowState):
         C = tokens_RC.shape[1]
         self.ctx_tokens[:R, :C] = np.where(live_R[:, None], tokens_RC, self.ctx_tokens[:R, :C])
         self.ctx_count[:R] = np.where(live_R, count_R, self.ctx_count[:R])
-        # Host arguments: an eager jnp.zeros would be a device op of its own (~0.4 ms on the CPU, every step).
-        self.ctx_aux = write_context(self.ctx_aux, aux_RPX, np.zeros(R, np.int32), live_R)
 
     def advance_plain(self, live_R) -> np.ndarray:
         """A plain step (:func:`plain_step`, which writes the root's aux state at slot ``ctx_count``) was
