@@ -232,7 +232,7 @@ class Generator:
         serving engine's step; :meth:`RowState.advance_plain` moves the rows on). ``root`` [R] (on the device):
         the tokens to feed, e.g. the unread output of the previous plain step; by default the host's roots.
         ``rules``: the rows' :class:`~peagle_jax.logit_rules.LogitRules`. ``dcache`` (no drafter: None) and
-        ``lazy`` are the speculative generator's (:meth:`peagle_jax.spec.generator.SpeculativeGenerator.launch_plain`).
+        ``lazy`` are the speculative generator's (:meth:`peagle_jax.spec.stepper.SpecStepper.launch_plain`).
         Returns (the launched step, cache, dcache)."""
         t0, R = time.perf_counter(), len(live)
         next_R, cache, *lp = decode_step(

@@ -260,7 +260,7 @@ def _step_graphs(cfg, params, dcfg, dparams, buckets, gen, step: Tree, B, caches
         out.append(Graph(f"verify_b{B}_s{S}_{tn}_w{W}_{mode}", verify, verify_args, static))
     if not buckets.fused or not step.depth:  # a plain step is never fused
         return out
-    # The fused step runs both halves at one window, the larger of the two (SpeculativeGenerator.step).
+    # The fused step runs both halves at one window, the larger of the two (SpecStepper.draft_verify).
     for key in step_keys([B], [step], sorted(set(draft_windows) | set(verify_windows)), modes):
         g, W = key.greedy_only, key.window
         mode = "greedy" if g else "sampling"

@@ -129,9 +129,9 @@ def plain_step(
 
 @functools.partial(executables.jit, static_argnames=("cfg", "window"), donate_argnames=("dcache", "ctx_aux"))
 def flush_context(dparams, dcache, ctx_tokens_RQ, ctx_aux, start_R, last_R, move_R, embed, *, cfg, window):
-    """:meth:`SpeculativeGenerator.make_room` in one graph: the first R rows' Q queued context slots go into
-    the drafter cache at slots ``start ..``, and in each ``move`` row the last pending element (slot ``last``)
-    moves to slot 0."""
+    """:meth:`peagle_jax.spec.stepper.SpecStepper.make_room` in one graph: the first R rows' Q queued context
+    slots go into the drafter cache at slots ``start ..``, and in each ``move`` row the last pending element
+    (slot ``last``) moves to slot 0."""
     R = ctx_tokens_RQ.shape[0]
     dcache = drafter_prefill(dparams, dcache, ctx_tokens_RQ, ctx_aux[:R], start_R, embed, cfg=cfg, window=window)
     keep_R1X = jnp.take_along_axis(ctx_aux[:R], last_R[:, None, None], axis=1)
