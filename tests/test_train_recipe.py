@@ -155,6 +155,18 @@ def test_recipe_sections_and_overrides(tmp_path):
         load_recipe(TINY, ["optim.objective=eagle3", "optim.segments=2"])
 
 
+def test_overrides_are_taken_anywhere_on_the_command_line():
+    """``--config X key=value --output DIR key2=value``: overrides on both sides of an option."""
+    from peagle_jax.train.cli import parse_args
+
+    args = parse_args(
+        ["--config", str(TINY), "optim.lr=1e-4", "--output", "out", "batch.features=online", "--until", "data"]
+    )
+    assert args.overrides == ["optim.lr=1e-4", "batch.features=online"] and args.output == "out"
+    r = load_recipe(args.config, args.overrides)
+    assert r.optim.lr == 1e-4 and r.batch.features == "online"
+
+
 @pytest.mark.parametrize("recipe", sorted((ROOT / "train" / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_recipes_load(recipe):
     load_recipe(recipe)

@@ -67,9 +67,14 @@ def preflight(recipe, output: str) -> None:
         meshlib.check_batch_size(recipe.batch.batch_size, mesh)
 
 
+def parse_args(argv=None):
+    """The command line: options and recipe overrides in any order (``--config X a.b=1 --output DIR c.d=2``)."""
+    return build_parser().parse_intermixed_args(argv)
+
+
 def main(argv=None) -> None:
     """Run (or resume) the recipe; a bad flag, recipe or input exits with status 2 and one ``error:`` line."""
-    args = build_parser().parse_intermixed_args(argv)
+    args = parse_args(argv)
     from peagle_jax.train.pipeline import run
     from peagle_jax.train.recipe import load_recipe
 
