@@ -111,6 +111,43 @@ def test_packing_is_first_fit_decreasing():
         assert [int((rows.document[r] == d).sum()) for d in range(len(members))] == [lengths[i] for i in members]
 
 
+class _Stop(Exception):
+    pass
+
+
+def test_a_run_stopped_inside_a_shard_keeps_its_answers(tmp_path):
+    """Each answer is kept in the shard's partial file as it ends; a run killed inside a shard (here after 3
+    answers, the last line torn as by a kill while writing) resumes with those, generates only the rest, and
+    its shards equal an uninterrupted run's."""
+    from peagle_jax.train.regen import partial_path
+
+    params = model.init_params(CFG, jax.random.key(1))
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(5, 100, int(n)).tolist() for n in rng.integers(2, 20, 8)]
+    kw = dict(max_prompt_tokens=24, max_new_tokens=10, shard_size=8, temperature=1.0, progress=False)
+    gen = SlotGenerator(CFG, params, slots=2, max_seq_len=40)
+    whole = read_shards(regenerate(gen, prompts, tmp_path / "whole", **kw))
+    real, seen = gen.generate, []
+
+    def dying(rows, on_answer=None, **k):
+        seen.append(len(rows))
+
+        def count(i, res):
+            on_answer(i, res)
+            if sum(1 for _ in partial_path(tmp_path / "cut", 0).open()) == 4:  # the header and 3 answers
+                raise _Stop
+
+        return real(rows, on_answer=count, **k)
+
+    gen.generate = dying
+    with pytest.raises(_Stop):
+        regenerate(gen, prompts, tmp_path / "cut", **kw)
+    partial = partial_path(tmp_path / "cut", 0)
+    partial.write_text(partial.read_text() + '{"index": 7, "prompt_ids": [1, ')  # torn by the kill
+    resumed = read_shards(regenerate(gen, prompts, tmp_path / "cut", **kw))
+    assert seen == [8, 5] and resumed == whole and not partial.exists()
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_continuous_batching_regenerates_what_the_batch_generator_does(tmp_path, temperature):
     params = model.init_params(CFG, jax.random.key(1))

@@ -108,6 +108,96 @@ def shard_path(out_dir: Path, i: int) -> Path:
     return out_dir / f"shard-{i:05d}.jsonl"
 
 
+def partial_path(out_dir: Path, i: int) -> Path:
+    """Shard i's answers so far, while it is being generated (see :class:`_ShardAnswers`)."""
+    return out_dir / f"shard-{i:05d}.jsonl.partial"
+
+
+class _ShardAnswers:
+    """Generates the answers of one shard's prompts, keeping each as it comes in the shard's partial file (a
+    header naming the shard and its prompts, then a record per line, flushed), so that a run stopped inside
+    a shard resumes with the answers it had: a prompt's answer depends only on the prompt, the settings and
+    its seed, not on what it was batched with. A torn last line (a kill while writing) is dropped."""
+
+    def __init__(self, generator, prompt_ids, max_prompt_tokens, max_new_tokens, temperature, seed, stop_token_ids):
+        self.generator, self.prompt_ids = generator, prompt_ids
+        self.max_prompt_tokens, self.max_new_tokens = max_prompt_tokens, max_new_tokens
+        self.temperature, self.seed, self.stop_token_ids = temperature, seed, stop_token_ids
+
+    def _resume(self, path: Path, header: dict) -> dict[int, dict]:
+        """The records of ``path`` if it is this shard's, rewritten without a torn tail; else a fresh file."""
+        records = {}
+        if path.exists():
+            lines = path.read_text(encoding="utf-8").split("\n")
+            if lines and lines[0] == json.dumps(header):
+                for line in lines[1:]:
+                    try:
+                        r = json.loads(line)
+                    except json.JSONDecodeError:
+                        break  # the torn last line, or the empty string after the last newline
+                    records[int(r["index"])] = r
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(header) + "\n")
+            for r in records.values():
+                f.write(json.dumps(r) + "\n")
+        os.replace(tmp, path)
+        return records
+
+    def answer(self, out_dir: Path, i: int, lo: int, hi: int, batch: int, bar) -> dict[int, dict]:
+        """Every record of shard i (prompts ``lo:hi``): answered, or skipped with the reason."""
+        prompt_ids = self.prompt_ids
+        path = partial_path(out_dir, i)
+        records = self._resume(path, {"shard": i, "prompts_sha256": prompts_digest(prompt_ids[lo:hi])})
+        answered = len(records)
+        bar.update(answered)
+        fits = []
+        for j in range(lo, hi):
+            if j in records:
+                continue
+            if not prompt_ids[j]:
+                records[j] = {"index": j, "skipped": "empty prompt"}
+            elif len(prompt_ids[j]) > self.max_prompt_tokens:
+                records[j] = {
+                    "index": j,
+                    "skipped": f"prompt has {len(prompt_ids[j])} > {self.max_prompt_tokens} tokens",
+                }
+            else:
+                fits.append(j)
+        bar.update(len(records) - answered)  # the prompts skipped
+        fits.sort(key=lambda j: len(prompt_ids[j]))
+        continuous = getattr(self.generator, "continuous", False)
+        if continuous:  # admits prompts as slots free: the whole shard at once
+            batch = max(len(fits), 1)
+        with open(path, "a", encoding="utf-8") as log:
+
+            def keep(j: int, res) -> None:
+                records[j] = {
+                    "index": j,
+                    "prompt_ids": list(prompt_ids[j]),
+                    "response_ids": res.token_ids,
+                    "finish_reason": res.finish_reason,
+                }
+                log.write(json.dumps(records[j]) + "\n")
+                log.flush()
+                bar.update(1)
+
+            for k in range(0, len(fits), batch):
+                rows = fits[k : k + batch]
+                results = self.generator.generate(
+                    [list(prompt_ids[j]) for j in rows],
+                    max_new_tokens=self.max_new_tokens,
+                    temperature=self.temperature,
+                    seed=[self.seed + j for j in rows],
+                    stop_token_ids=self.stop_token_ids,
+                    **({"on_answer": lambda n, res, rows=rows: keep(rows[n], res)} if continuous else {}),
+                )
+                if not continuous:
+                    for j, res in zip(rows, results, strict=True):
+                        keep(j, res)
+        return records
+
+
 def _shard_done(path: Path, i: int, prompts: Sequence[Sequence[int]]) -> bool:
     """Whether shard ``path`` already answers ``prompts`` (its range); False when it answers a strict prefix
     of them (an earlier, smaller run: it is redone); an error when it answers other prompts."""
@@ -164,7 +254,9 @@ def regenerate(
     slots); a continuously batched generator (``continuous = True``, :mod:`peagle_jax.train.slot_regen`) takes
     the whole shard in one call and reports each answer to the progress bar; row i's sampling seed is
     ``seed + index`` so a shard's content does not depend on batching. ``dtype`` names the generator's
-    compute dtype (recorded); ``conversations`` [i]: prompt i's conversation, written into its record.
+    compute dtype (recorded); ``conversations`` [i]: prompt i's conversation, written into its record. Each
+    answer is kept in the shard's partial file as it ends, so a run stopped inside a shard resumes with the
+    answers it had (:class:`_ShardAnswers`).
     """
     out_dir = Path(out_dir)
     prompt_ids = [[int(t) for t in p] for p in prompt_ids]
@@ -173,45 +265,16 @@ def regenerate(
     num_shards = -(-len(prompt_ids) // shard_size)
     paths = [shard_path(out_dir, i) for i in range(num_shards)]
     todo = [i for i, p in enumerate(paths) if not _shard_done(p, i, prompt_ids[i * shard_size : (i + 1) * shard_size])]
-    continuous = getattr(generator, "continuous", False)
     bar = tqdm(total=len(prompt_ids), desc=desc, unit="prompt", disable=not progress)
     bar.update(len(prompt_ids) - sum(min(shard_size, len(prompt_ids) - i * shard_size) for i in todo))
+    shard = _ShardAnswers(generator, prompt_ids, max_prompt_tokens, max_new_tokens, temperature, seed, stop_token_ids)
     for i in todo:
         lo, hi = i * shard_size, min((i + 1) * shard_size, len(prompt_ids))
-        records = {}
-        fits = []
-        for j in range(lo, hi):
-            if not prompt_ids[j]:
-                records[j] = {"index": j, "skipped": "empty prompt"}
-            elif len(prompt_ids[j]) > max_prompt_tokens:
-                records[j] = {"index": j, "skipped": f"prompt has {len(prompt_ids[j])} > {max_prompt_tokens} tokens"}
-            else:
-                fits.append(j)
-        fits.sort(key=lambda j: len(prompt_ids[j]))
-        if continuous:  # admits prompts as slots free: the whole shard at once
-            batch = max(len(fits), 1)
-        for k in range(0, len(fits), batch):
-            rows = fits[k : k + batch]
-            results = generator.generate(
-                [list(prompt_ids[j]) for j in rows],
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                seed=[seed + j for j in rows],
-                stop_token_ids=stop_token_ids,
-                **({"on_answer": lambda: bar.update(1)} if continuous else {}),
-            )
-            for j, res in zip(rows, results, strict=True):
-                records[j] = {
-                    "index": j,
-                    "prompt_ids": list(prompt_ids[j]),
-                    "response_ids": res.token_ids,
-                    "finish_reason": res.finish_reason,
-                }
-                if conversations is not None:
-                    records[j]["conversation"] = int(conversations[j])
-            if not continuous:
-                bar.update(len(rows))
-        bar.update(hi - lo - len(fits))
+        records = shard.answer(out_dir, i, lo, hi, batch, bar)
+        if conversations is not None:
+            for j, r in records.items():
+                if "response_ids" in r:
+                    r["conversation"] = int(conversations[j])
         tmp = paths[i].with_suffix(".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             header = {"shard": i, "prompts": hi - lo, "prompts_sha256": prompts_digest(prompt_ids[lo:hi])}
@@ -219,6 +282,7 @@ def regenerate(
             for j in range(lo, hi):
                 f.write(json.dumps(records[j]) + "\n")
         os.replace(tmp, paths[i])
+        partial_path(out_dir, i).unlink(missing_ok=True)
     bar.close()
     return paths
 

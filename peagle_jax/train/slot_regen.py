@@ -37,8 +37,8 @@ class SlotGenerator:
         stop_token_ids: Sequence[int] | None = None,
         on_answer=None,
     ) -> list[GenerationResult]:
-        """Each prompt's answer, in order; ``seed`` per prompt (a list) or one for all; ``on_answer()`` is
-        called as each answer ends (a progress bar)."""
+        """Each prompt's answer, in order; ``seed`` per prompt (a list) or one for all; ``on_answer(i, result)``
+        is called as prompt i's answer ends (a progress bar, the caller's record of answers so far)."""
         from peagle_jax.serve.slots import SlotRequest
 
         seeds = list(seed) if isinstance(seed, Sequence) else [seed] * len(prompts)
@@ -58,7 +58,7 @@ class SlotGenerator:
                 if ev.finish_reason is not None:
                     results[i] = GenerationResult(tokens[i], ev.finish_reason)
                     if on_answer is not None:
-                        on_answer()
+                        on_answer(i, results[i])
 
         engine = self.engine
         while waiting or engine.active:
