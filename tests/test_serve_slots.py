@@ -347,7 +347,7 @@ def test_plain_steps_write_the_drafter_cache_a_draft_would(models):
     assert set(engines[2].steps_by_k) == {3}
     for b in range(2):
         committed = min(int(e.state.ctx_start[b]) for e in engines)
-        rows = [jax.tree.map(lambda x, b=b, n=committed: np.asarray(x[b, :, :n]), e.dcache) for e in engines]
+        rows = [jax.tree.map(lambda x, b=b, n=committed: np.asarray(x[b, :, :n]), e.drafter.cache) for e in engines]
         for other in rows[:2]:
             for x, y in zip(jax.tree.leaves(other), jax.tree.leaves(rows[2]), strict=True):
                 np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-3)
@@ -421,7 +421,7 @@ def test_lazy_drafter_under_load(models, monkeypatch):
     for b in range(2):  # the re-seeded rows' committed drafter context, against the engine that kept it
         n = int(min(engine.state.ctx_start[b], kept.state.ctx_start[b]))
         assert n >= 40
-        for x, y in zip(jax.tree.leaves(engine.dcache), jax.tree.leaves(kept.dcache), strict=True):
+        for x, y in zip(jax.tree.leaves(engine.drafter.cache), jax.tree.leaves(kept.drafter.cache), strict=True):
             np.testing.assert_allclose(np.asarray(x[b, :, :n]), np.asarray(y[b, :, :n]), rtol=1e-4, atol=1e-3)
 
 

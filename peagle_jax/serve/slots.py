@@ -58,7 +58,7 @@ from peagle_jax.serve.warmup import WarmTask
 from peagle_jax.spec.adaptive import AdaptiveK
 from peagle_jax.spec.plan import StepKey
 from peagle_jax.spec.state import SpecState
-from peagle_jax.spec.stepper import SpecStepper
+from peagle_jax.spec.stepper import DraftState, SpecStepper
 from peagle_jax.spec.tree import Tree
 
 
@@ -158,20 +158,18 @@ class SlotEngine:
 
     def caches_lost(self) -> bool:
         """Whether a failed call consumed (donated) the caches, so that only :meth:`reset` can go on."""
-        caches = [self.cache] + ([self.dcache, self.state.ctx_aux] if self.speculative else [])
-        return any(x.is_deleted() for x in jax.tree.leaves(caches))
+        return any(x.is_deleted() for x in jax.tree.leaves([self.cache, self.drafter]))
 
     def reset(self) -> None:
         """Fresh caches and an all-free per-slot state (also after a failed step)."""
         gen, B = self.gen, self.B
         self.cache = model.new_cache(gen.cfg, B, gen.cache_slots(B))
-        self.dcache, self.state = None, RowState.empty(B)
+        self.drafter, self.state = None, RowState.empty(B)  # the drafter's device state (spec.stepper.DraftState)
         if self.speculative:
-            self.dcache = new_drafter_cache(gen.dcfg, B, gen.cache_slots(B))
             X = len(gen.cfg.aux_layer_ids) * gen.cfg.hidden_size
-            self.state = SpecState.start(
-                np.zeros(B, np.int32), jnp.zeros((B, X), gen.cfg.jnp_dtype), np.ones(B, np.int32), gen.Q
-            )
+            aux = gen.context_aux(jnp.zeros((B, X), gen.cfg.jnp_dtype))
+            self.drafter = DraftState(new_drafter_cache(gen.dcfg, B, gen.cache_slots(B)), aux)
+            self.state = SpecState.start(np.zeros(B, np.int32), np.ones(B, np.int32), gen.Q)
         self.slots: list[Slot | None] = [None] * B
         self.rows.reset()
         self.choice.reset()
@@ -308,12 +306,11 @@ class SlotEngine:
         """Row b's drafter state after a prefill of its first ``length`` committed tokens (all but the last,
         ``root``): the 1-row drafter cache (None: the drafter did not run, the row is unsynced) and the aux
         state of the last prefilled position, paired with ``root`` as the one queued context element."""
-        s = self.state
+        dcache, aux = self.drafter
         if dcache1 is not None:
-            self.dcache = put_row(self.dcache, dcache1, jnp.int32(b))
-        ctx_aux1 = jnp.zeros((1, *s.ctx_aux.shape[1:]), aux1.dtype).at[:, 0].set(aux1)
-        s.ctx_aux = put_row(s.ctx_aux, ctx_aux1, jnp.int32(b))
-        s.seed(b, length, root, synced=dcache1 is not None)
+            dcache = put_row(dcache, dcache1, jnp.int32(b))
+        self.drafter = DraftState(dcache, put_row(aux, self.gen.context_aux(aux1), jnp.int32(b)))
+        self.state.seed(b, length, root, synced=dcache1 is not None)
 
     def _resync_row(self, R: int) -> int | None:
         """The unsynced busy row among the first R to re-seed now (:meth:`StepPolicy.resync_row`), or None."""
@@ -450,8 +447,8 @@ class SlotEngine:
         the tokens to feed (on the device), by default the host's."""
         R = len(live_R)
         sampling, seeds = self.rows.sampling(R)
-        launched, self.cache, self.dcache = self.gen.launch_plain(
-            self.cache, self.dcache, self.state, seeds, sampling, self.rows.greedy_only(live_R), live_R, root,
+        launched, self.cache, self.drafter = self.gen.launch_plain(
+            self.cache, self.drafter, self.state, seeds, sampling, self.rows.greedy_only(live_R), live_R, root,
             self.choice.lazy_at(R), rules=self.rows.plain_rules(live_R),
         )  # fmt: skip
         launched.ids = [self.slots[b].request.id if live_R[b] else None for b in range(R)]
@@ -476,8 +473,8 @@ class SlotEngine:
         """A draft -> verify step of ``tree`` over the first R rows, read at once."""
         sampling, seeds = self.rows.sampling(R)
         live_R = live[:R]
-        result, self.cache, self.dcache = self.gen.run_step(
-            self.cache, self.dcache, self.state, seeds, sampling, greedy_only=self.rows.greedy_only(live_R),
+        result, self.cache, self.drafter = self.gen.run_step(
+            self.cache, self.drafter, self.state, seeds, sampling, greedy_only=self.rows.greedy_only(live_R),
             live=live_R, tree=tree, rules=self.rows.tree_rules(live_R, tree),
         )  # fmt: skip
         tokens, count, lp = result.tokens, result.count, result.logprobs

@@ -23,7 +23,7 @@ from peagle_jax.spec.adaptive import AdaptiveK, adaptive_policy, step_trees
 from peagle_jax.spec.graphs import flush_context, plain_step
 from peagle_jax.spec.plan import serving_trees, step_keys, windows_between
 from peagle_jax.spec.state import SpecState
-from peagle_jax.spec.stepper import SpecStepper
+from peagle_jax.spec.stepper import DraftState, SpecStepper
 from peagle_jax.spec.tree import Tree
 from peagle_jax.spec.verify import verify
 
@@ -72,7 +72,7 @@ class SpeculativeGenerator(SpecStepper):
         logits, cache, dcache, last_aux = self.prefill_both(prompts, B)
         first = np.asarray(sample_jit(logits, sampling, seeds, jnp.asarray(lengths), greedy_only=greedy_only))
         self.stats.prefill_s += time.perf_counter() - t0
-        state = SpecState.start(first, last_aux, lengths, self.Q)
+        state, drafter = SpecState.start(first, lengths, self.Q), DraftState(dcache, self.context_aux(last_aux))
         done = np.zeros(B, bool)
         done[n:] = True
         produced = np.zeros(B, np.int32)
@@ -91,17 +91,17 @@ class SpeculativeGenerator(SpecStepper):
             return tree
 
         def run(tree: Tree):
-            nonlocal cache, dcache
-            result, cache, dcache = self.run_step(
-                cache, dcache, state, seeds, sampling, greedy_only=greedy_only, live=~done, tree=tree
+            nonlocal cache, drafter
+            result, cache, drafter = self.run_step(
+                cache, drafter, state, seeds, sampling, greedy_only=greedy_only, live=~done, tree=tree
             )
             return result
 
         def launch(live_R=None, root=None):
-            nonlocal cache, dcache
+            nonlocal cache, drafter
             live_R = ~done if live_R is None else live_R
-            launched, cache, dcache = self.launch_plain(
-                cache, dcache, state, seeds, sampling, greedy_only, live_R, root=root
+            launched, cache, drafter = self.launch_plain(
+                cache, drafter, state, seeds, sampling, greedy_only, live_R, root=root
             )
             return launched
 
@@ -173,10 +173,11 @@ class SpeculativeGenerator(SpecStepper):
 
         def time_step(k: int) -> float:
             nonlocal cache, dcache
-            state = SpecState.start(np.zeros(B, np.int32), jnp.zeros((B, X), self.cfg.jnp_dtype), q, self.Q)
+            state = SpecState.start(np.zeros(B, np.int32), q, self.Q)
+            drafter = DraftState(dcache, self.context_aux(jnp.zeros((B, X), self.cfg.jnp_dtype)))
             t0 = time.perf_counter()
-            _, cache, dcache = self.run_step(
-                cache, dcache, state, seeds, sampling, greedy_only=greedy_graph(0.0), live=live, tree=self.choices[k]
+            _, cache, (dcache, _) = self.run_step(
+                cache, drafter, state, seeds, sampling, greedy_only=greedy_graph(0.0), live=live, tree=self.choices[k]
             )
             return time.perf_counter() - t0
 

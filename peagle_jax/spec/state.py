@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from peagle_jax.engine.state import RowState
@@ -58,7 +56,8 @@ class SpecState(RowState):
 
     ``q`` is the position of each row's root (its last committed token, not yet in the target cache) and
     ``root`` that token; the drafter's next context is the ``ctx_count`` elements committed since the last
-    draft or flush (``ctx_tokens`` [B, Q] with their target aux states ``ctx_aux`` [B, Q, X]), the first at
+    draft or flush (``ctx_tokens`` [B, Q]; their target aux states are on the device, in the stepper's
+    :class:`~peagle_jax.spec.stepper.DraftState`), the first at
     drafter position ``ctx_start`` (``q - ctx_count``); a draft reads the first K + 1 slots (a flush
     first where more are queued). A row that is not live keeps its state, so it idles in place.
 
@@ -69,36 +68,34 @@ class SpecState(RowState):
     """
 
     ctx_tokens: np.ndarray
-    ctx_aux: jax.Array
     ctx_count: np.ndarray
     ctx_start: np.ndarray
     synced: np.ndarray
 
     @classmethod
-    def start(cls, first_B, last_aux_BX, lengths_B, Q: int) -> SpecState:
-        """After the prefill: one context element per row (the first token with the aux of the last prompt
-        position) in Q context slots, at drafter position ``length - 1``; the root is the first token at
-        ``length``."""
+    def start(cls, first_B, lengths_B, Q: int) -> SpecState:
+        """After the prefill: one context element per row (the first token; its aux state, the last prompt
+        position's, is the drafter state's: :meth:`peagle_jax.spec.stepper.SpecStepper.context_aux`) in Q
+        context slots, at drafter position ``length - 1``; the root is the first token at ``length``."""
         B = len(first_B)
         ctx_tokens = np.zeros((B, Q), np.int32)
         ctx_tokens[:, 0] = first_B
-        ctx_aux = jnp.zeros((B, Q, last_aux_BX.shape[-1]), last_aux_BX.dtype).at[:, 0].set(last_aux_BX)
         lengths = np.asarray(lengths_B, np.int32)
         first = np.asarray(first_B).copy()
-        return cls(lengths.copy(), first, ctx_tokens, ctx_aux, np.ones(B, np.int32), lengths - 1, np.ones(B, bool))
+        return cls(lengths.copy(), first, ctx_tokens, np.ones(B, np.int32), lengths - 1, np.ones(B, bool))
 
     def rows(self, R: int) -> SpecState:
-        """The first R rows (views of the host arrays; ``ctx_aux`` sliced when R < B)."""
+        """The first R rows (views of the host arrays)."""
         if R == len(self.q):
             return self
         s = self
-        views = (s.q, s.root, s.ctx_tokens, s.ctx_aux, s.ctx_count, s.ctx_start, s.synced)
+        views = (s.q, s.root, s.ctx_tokens, s.ctx_count, s.ctx_start, s.synced)
         return SpecState(*(x[:R] for x in views))
 
     def seed(self, b: int, length: int, first: int, *, synced: bool = True) -> None:
         """Row b after a prefill of ``length`` tokens whose next token is ``first``: one queued context
         element (``first``, paired with the aux state of the last prompt position, which the caller writes
-        into ``ctx_aux``), at drafter position ``length - 1``. ``synced``: the drafter saw the prompt."""
+        into the drafter state), at drafter position ``length - 1``. ``synced``: the drafter saw the prompt."""
         self.ctx_tokens[b] = 0
         self.ctx_tokens[b, 0] = first
         self.ctx_count[b], self.ctx_start[b], self.q[b], self.root[b] = 1, length - 1, length, first
@@ -111,7 +108,7 @@ class SpecState(RowState):
     def advance(self, tokens_RC, count_R, live_R) -> None:
         """Commit a draft -> verify step's output for the live rows among the first R (= ``len(count_R)``);
         the others stay in place. ``tokens_RC``: the emitted tokens padded to the C = K + 1 slots a draft
-        reads. The verify's aux states go into ``ctx_aux`` on the device, by the stepper
+        reads. The verify's aux states go into the drafter state on the device, by the stepper
         (:meth:`peagle_jax.spec.stepper.SpecStepper.run_step`)."""
         R, live_R = len(count_R), np.asarray(live_R, bool)
         self.ctx_start[:R] = np.where(live_R, self.q[:R], self.ctx_start[:R])

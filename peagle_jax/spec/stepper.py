@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,7 @@ from peagle_jax.engine.generator import Generator, RequestError
 from peagle_jax.engine.overlap import Launched
 from peagle_jax.engine.state import host_copy
 from peagle_jax.logprobs import TokenLogprobs, host_logprobs
+from peagle_jax.models.cache import KVCache
 from peagle_jax.models.config import ModelConfig
 from peagle_jax.spec.graphs import flush_context, fused_step, plain_step, write_context
 from peagle_jax.spec.plan import Windows
@@ -62,6 +64,15 @@ class StepResult:
     k: int
     logprobs: TokenLogprobs | None = None
     seconds: float = 0.0
+
+
+class DraftState(NamedTuple):
+    """The drafter's device state, passed and returned as the target's cache is: its KV cache (None where the
+    drafter did not run, an unsynced row's prefill) and the target aux states of the queued context elements
+    ``aux`` [B, Q, X] (the host half of the queue is :class:`~peagle_jax.spec.state.SpecState`'s)."""
+
+    cache: KVCache | None
+    aux: jax.Array
 
 
 def _on_device(ctx: DraftContext) -> DraftContext:
@@ -144,6 +155,11 @@ class SpecStepper(Generator):
         """Zero :attr:`spec` in place (the server's /metrics reads this object)."""
         self.spec.reset()
 
+    def context_aux(self, last_aux_BX) -> jax.Array:
+        """The queued context's aux states [B, Q, X] after a prefill: the last prompt position's in slot 0."""
+        B, X = last_aux_BX.shape
+        return jnp.zeros((B, self.Q, X), last_aux_BX.dtype).at[:, 0].set(last_aux_BX)
+
     def _fused(
         self, cache, dcache, ctx, root, q, seeds, sampling, tree: Tree, window: int, greedy_only: bool, rules=None
     ):
@@ -206,12 +222,13 @@ class SpecStepper(Generator):
         return logits, cache, dcache, last_aux[0]
 
     def draft_verify(
-        self, cache, dcache, state: SpecState, seeds, sampling, *, greedy_only: bool, live, tree=None, rules=None
-    ):
+        self, cache, drafter: DraftState, state: SpecState, seeds, sampling, *, greedy_only: bool, live, tree=None,
+        rules=None,
+    ):  # fmt: skip
         """One draft -> verify step over every row of ``state`` (``live`` [B] bool: rows whose results count;
         the others idle in place), not committed (:meth:`run_step` commits it). Returns (its
-        :class:`StepResult`, the verified aux states [B, P, X] on the device, cache, dcache) and adds the live
-        rows to :attr:`spec`.
+        :class:`StepResult`, the verified aux states [B, P, X] on the device, cache, drafter) and adds the
+        live rows to :attr:`spec`.
 
         ``tree`` (default the generator's) may be a smaller tree of depth K' <= K and no more nodes, e.g. a
         shorter chain under load: it drafts K' tokens over the same K + 1 context slots and verifies them;
@@ -227,8 +244,10 @@ class SpecStepper(Generator):
         t0 = time.perf_counter()
         window = self.windows.verify_window(state.q[live], tree)
         C = self.K + 1  # the draft reads the first C of the Q queued slots (run_step flushed any beyond)
-        # The graphs read the first C aux slots.
-        ctx = DraftContext(state.ctx_tokens[:, :C], state.ctx_aux, state.ctx_count, state.ctx_start)
+        # The graphs read the first C aux slots of the rows stepped.
+        aux = drafter.aux if len(state.q) == len(drafter.aux) else drafter.aux[: len(state.q)]
+        ctx = DraftContext(state.ctx_tokens[:, :C], aux, state.ctx_count, state.ctx_start)
+        dcache = drafter.cache
         after_draft = rules if callable(rules) else None
         if self.fused and after_draft is None:
             # One window for both halves (the larger: a wider window is always safe), so the fused graphs
@@ -274,39 +293,44 @@ class SpecStepper(Generator):
         self.spec.steps += 1
         self.spec.draft_s += t1 - t0
         self.spec.verify_s += t2 - t1
-        return StepResult(tokens, count, tree.depth, logprobs, t2 - t0), out.aux, cache, dcache
+        result = StepResult(tokens, count, tree.depth, logprobs, t2 - t0)
+        return result, out.aux, cache, DraftState(dcache, drafter.aux)
 
     def run_step(
-        self, cache, dcache, state: SpecState, seeds, sampling, *, greedy_only: bool, live, tree=None, rules=None
-    ):
+        self, cache, drafter: DraftState, state: SpecState, seeds, sampling, *, greedy_only: bool, live, tree=None,
+        rules=None,
+    ):  # fmt: skip
         """One step of ``tree`` (default the stepper's) over the first R = ``len(live)`` rows of ``state``
         (which may hold more), read and committed into ``state`` for the live rows: a plain step for a tree
         of depth 0 (:func:`plain_step`), else draft -> verify (:meth:`draft_verify`), whose verified aux
         states join the next draft's context (:func:`write_context`). ``seeds`` and ``sampling`` are R rows.
-        Returns (its :class:`StepResult`, cache, dcache)."""
+        Returns (its :class:`StepResult`, cache, drafter)."""
         R, tree = len(live), tree or self.tree
         if not tree.depth:
-            return self._plain(cache, dcache, state, seeds, sampling, greedy_only, live, rules)
-        dcache = self.make_room(dcache, state, R, full=self.K + 2)  # a draft reads at most K + 1 queued
-        result, aux, cache, dcache = self.draft_verify(
-            cache, dcache, state.rows(R), seeds, sampling, greedy_only=greedy_only, live=live, tree=tree, rules=rules
+            return self._plain(cache, drafter, state, seeds, sampling, greedy_only, live, rules)
+        drafter = self.make_room(drafter, state, R, full=self.K + 2)  # a draft reads at most K + 1 queued
+        result, aux, cache, drafter = self.draft_verify(
+            cache, drafter, state.rows(R), seeds, sampling, greedy_only=greedy_only, live=live, tree=tree, rules=rules
         )
         # Host arguments: an eager jnp.zeros would be a device op of its own (~0.4 ms on the CPU, every step).
-        state.ctx_aux = write_context(state.ctx_aux, aux, np.zeros(R, np.int32), live)
+        drafter = DraftState(drafter.cache, write_context(drafter.aux, aux, np.zeros(R, np.int32), live))
         state.advance(result.tokens, result.count, live)
-        return result, cache, dcache
+        return result, cache, drafter
 
-    def _plain(self, cache, dcache, state: SpecState, seeds, sampling, greedy_only: bool, live, rules=None):
+    def _plain(
+        self, cache, drafter: DraftState, state: SpecState, seeds, sampling, greedy_only: bool, live, rules=None
+    ):
         """A plain step of :meth:`run_step`: one token per row, the drafter's context kept current."""
-        launched, cache, dcache = self.launch_plain(
-            cache, dcache, state, seeds, sampling, greedy_only, live, rules=rules
+        launched, cache, drafter = self.launch_plain(
+            cache, drafter, state, seeds, sampling, greedy_only, live, rules=rules
         )
         next_R = np.asarray(launched.tokens)
         state.commit_plain(next_R, launched.at, live)
         seconds = time.perf_counter() - launched.t_launch
         self.spec.verify_s += seconds
         logprobs = None if launched.logprobs is None else host_logprobs(launched.logprobs, self.K + 1)
-        return StepResult(self._plain_tokens(next_R), np.ones(len(live), np.int32), 0, logprobs, seconds), cache, dcache
+        result = StepResult(self._plain_tokens(next_R), np.ones(len(live), np.int32), 0, logprobs, seconds)
+        return result, cache, drafter
 
     def _plain_tokens(self, next_R: np.ndarray) -> np.ndarray:
         """A plain step's tokens [R] as a step's [R, K + 1] (the first column; its count is 1)."""
@@ -317,7 +341,7 @@ class SpecStepper(Generator):
     def launch_plain(
         self,
         cache,
-        dcache,
+        drafter: DraftState,
         state: SpecState,
         seeds,
         sampling,
@@ -330,14 +354,14 @@ class SpecStepper(Generator):
         """Launch a plain step over the first R = ``len(live)`` rows without waiting for it
         (:meth:`SpecState.advance_plain`). ``root`` [R] (on the device): the roots to decode, e.g. the unread
         output of the previous plain step; by default the host's. ``lazy``: see :meth:`make_room`. Returns
-        (the launched step: next token [R] on the device and each row's context slot for it, cache, dcache)."""
+        (the launched step: next token [R] on the device and each row's context slot for it, cache, drafter)."""
         t0, R = time.perf_counter(), len(live)
-        dcache = self.make_room(dcache, state, R, lazy=lazy)
+        drafter = self.make_room(drafter, state, R, lazy=lazy)
         # Copies: the host state moves on at once, maybe while the step still reads it.
-        next_R, cache, state.ctx_aux, *lp = plain_step(
+        next_R, cache, aux, *lp = plain_step(
             self.params,
             cache,
-            state.ctx_aux,
+            drafter.aux,
             host_copy(state.root[:R]) if root is None else root,
             host_copy(state.q[:R]),
             host_copy(state.ctx_count[:R]),
@@ -353,7 +377,8 @@ class SpecStepper(Generator):
         at = state.advance_plain(live)
         self.stats.decode_steps += 1
         self.spec.plain_forwards += int(np.sum(live))
-        return Launched(next_R, np.array(live, bool), t0, at=at, logprobs=lp[0] if lp else None), cache, dcache
+        launched = Launched(next_R, np.array(live, bool), t0, at=at, logprobs=lp[0] if lp else None)
+        return launched, cache, DraftState(drafter.cache, aux)
 
     def _plain_seconds(self, seconds: float) -> None:
         self.spec.verify_s += seconds  # a plain step inside speculative decoding is a target forward
@@ -363,7 +388,7 @@ class SpecStepper(Generator):
         ``full``, by default Q, or more queued elements, and keeps its drafter current: never when ``lazy``)."""
         return not lazy and bool(((state.ctx_count[:rows] >= (full or self.Q)) & state.synced[:rows]).any())
 
-    def make_room(self, dcache, state: SpecState, rows: int, full: int | None = None, lazy: bool = False):
+    def make_room(self, drafter: DraftState, state: SpecState, rows: int, full: int | None = None, lazy: bool = False):
         """Where one of the first ``rows`` rows holds ``full`` (default Q: before a plain step, whose element
         would not fit) or more queued context elements, write the pending context of every row into the
         drafter cache (:func:`flush_context`) and keep only each row's last element pending; before a draft
@@ -374,30 +399,30 @@ class SpecStepper(Generator):
 
         A full row that is not synced (:attr:`SpecState.synced`), or any full row when ``lazy`` (the slot
         engine decodes plainly under load), is desynced instead (:meth:`SpecState.desync`, no drafter work).
-        Returns the drafter cache; ``state`` is updated in place."""
+        Returns the drafter's state; ``state`` is updated in place."""
         full = full or self.Q
         count = state.ctx_count[:rows]
         drop = (count >= full) & (~state.synced[:rows] | lazy)
         if drop.any():
             state.desync(np.flatnonzero(drop), keep=full - 1)
         if not self.needs_flush(state, rows, full):
-            return dcache
+            return drafter
         count, start = state.ctx_count[:rows], state.ctx_start[:rows]
         move = count >= 2
-        dcache, state.ctx_aux = flush_context(
+        drafter = DraftState(*flush_context(
             self.dparams,
-            dcache,
+            drafter.cache,
             host_copy(state.ctx_tokens[:rows]),  # the host state changes below, maybe while the graph runs
-            state.ctx_aux,
+            drafter.aux,
             host_copy(start),
             jnp.asarray(count - 1),
             jnp.asarray(move),
             self.embed,
             cfg=self.dcfg,
             window=self.windows.flush_window(start),
-        )
+        ))  # fmt: skip
         idx = np.flatnonzero(move)
         state.ctx_tokens[idx, 0] = state.ctx_tokens[idx, count[idx] - 1]
         state.ctx_start[idx] += count[idx] - 1
         state.ctx_count[idx] = 1
-        return dcache
+        return drafter
