@@ -52,6 +52,12 @@ def _inputs(seed):
     return tokens, aux
 
 
+def _fresh_draft(params, ctx: DraftContext, **kw):
+    """A parallel draft from ``ctx`` over a cache holding only the 6-element prefix (:func:`_prefix`)."""
+    mask_g = fused_mask_hidden(params, cfg=CFG)
+    return parallel_draft(params, _prefix(params, new_drafter_cache(CFG, B, 32)), ctx, mask_g, cfg=CFG, K=K, **kw)[0]
+
+
 def _prefix(params, cache, seed=9):
     """Commit 6 depth-0 elements per row at slots 0..5 (the drafter's prefill)."""
     rng = np.random.RandomState(seed)
@@ -66,15 +72,7 @@ def test_parallel_draft_is_one_forward_over_context_then_mask_slots(params):
     count = jnp.array([1, 3, 5], jnp.int32)
     start = jnp.full(B, 6, jnp.int32)
     mask_g = fused_mask_hidden(params, cfg=CFG)
-    draft, _ = parallel_draft(
-        params,
-        _prefix(params, new_drafter_cache(CFG, B, 32)),
-        DraftContext(tokens, aux, count, start),
-        mask_g,
-        cfg=CFG,
-        K=K,
-        top_n=3,
-    )
+    draft = _fresh_draft(params, DraftContext(tokens, aux, count, start), top_n=3)
     g = fuse_aux(params, aux, cfg=CFG)
     for b in range(B):
         m = int(count[b])
@@ -151,25 +149,10 @@ def test_rows_are_independent(params):
     tokens, aux = _inputs(4)
     count = jnp.array([2, 4, 3], jnp.int32)
     start = jnp.array([6, 6, 6], jnp.int32)
-    mask_g = fused_mask_hidden(params, cfg=CFG)
-    full, _ = parallel_draft(
-        params,
-        _prefix(params, new_drafter_cache(CFG, B, 32)),
-        DraftContext(tokens, aux, count, start),
-        mask_g,
-        cfg=CFG,
-        K=K,
-    )
+    full = _fresh_draft(params, DraftContext(tokens, aux, count, start))
     other_tokens = tokens.at[0].set(5).at[2].set(7)
     other_aux = aux.at[0].set(0.5).at[2].set(-1.0)
-    mixed, _ = parallel_draft(
-        params,
-        _prefix(params, new_drafter_cache(CFG, B, 32)),
-        DraftContext(other_tokens, other_aux, jnp.array([5, 4, 1], jnp.int32), start),
-        mask_g,
-        cfg=CFG,
-        K=K,
-    )
+    mixed = _fresh_draft(params, DraftContext(other_tokens, other_aux, jnp.array([5, 4, 1], jnp.int32), start))
     np.testing.assert_array_equal(full.tokens[1], mixed.tokens[1])
 
 
