@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from peagle_jax.engine.generator import RequestError
 from peagle_jax.spec.adaptive import AdaptiveK, adaptive_policy, step_trees
+from peagle_jax.spec.plan import serving_trees
 from peagle_jax.spec.tree import Tree, chain
 
 
@@ -106,8 +107,6 @@ class StepPolicy:
 
     def trees(self) -> list[Tree]:
         """Every step tree this policy can pick (:func:`peagle_jax.spec.plan.serving_trees`)."""
-        from peagle_jax.spec.plan import serving_trees
-
         return serving_trees(
             self.tree,
             adaptive=self.adaptive is not None,

@@ -92,7 +92,7 @@ class SlotRows:
         return rules, constraint, bias_V
 
     def admit(self, b: int, req, first: int, constraint: Constraint | None, bias_V) -> None:
-        """Slot b now serves ``req``, whose first token is ``first`` (already consumed by nothing)."""
+        """Slot b now serves ``req``, whose first token is ``first`` (it starts the row's token counts)."""
         self.temperature[b], self.top_k[b], self.top_p[b] = req.temperature, req.top_k, req.top_p
         self.seeds[b] = np.uint32(req.seed & 0xFFFFFFFF)
         self.presence[b], self.frequency[b] = req.presence_penalty, req.frequency_penalty

@@ -73,3 +73,16 @@ class Slot:
     @property
     def produced(self) -> int:
         return len(self.tokens)
+
+    def gain(self, tokens) -> tuple[list[int], str | None]:
+        """Take a step's tokens up to a stop token (included) or the request's length: (the tokens taken,
+        the finish reason: "stop", "length" or None)."""
+        out = []
+        for tok in map(int, tokens):
+            out.append(tok)
+            self.tokens.append(tok)
+            if tok in self.stops:
+                return out, "stop"
+            if self.produced >= self.request.max_new_tokens:
+                return out, "length"
+        return out, None

@@ -75,6 +75,22 @@ def put_row(big, row, b):
     return jax.tree.map(put, big, row)
 
 
+def _valid(slots: list[Slot | None], launched: Launched) -> np.ndarray:
+    """The rows of a launched step whose token counts: live at launch and still holding that request."""
+    return np.array(
+        [rid is not None and slots[b] is not None and slots[b].request.id == rid for b, rid in enumerate(launched.ids)]
+    )
+
+
+def _wants(slots: list[Slot | None], valid_R, live) -> np.ndarray:
+    """The busy slots that want a token after those of a launched step (``valid_R``: its rows that gain one,
+    :func:`_valid`); the rows it ends by length do not."""
+    gains = np.zeros(len(slots), bool)
+    gains[: len(valid_R)] = valid_R
+    left = [s.request.max_new_tokens - s.produced if s is not None else 0 for s in slots]
+    return np.array([live[b] and gains[b] < left[b] for b in range(len(slots))])
+
+
 @dataclasses.dataclass
 class _GroupPrefill:
     """The prefill the members of a request group (``n`` > 1: one prompt, other seeds) share: its members
@@ -224,18 +240,11 @@ class SlotEngine:
         """Row b's new tokens up to its stop token or length; frees the slot when the request ends.
         ``logprobs``: the tokens' (:attr:`SlotEvent.logprobs`), cut as they are."""
         slot = self.slots[b]
-        out, finish = [], None
-        for tok in tokens:
-            out.append(int(tok))
-            slot.tokens.append(int(tok))
-            self.rows.consume(b, int(tok))
-            if int(tok) in slot.stops:
-                finish = "stop"
-            elif slot.produced >= slot.request.max_new_tokens:
-                finish = "length"
-            if finish:
-                self.release(b)
-                break
+        out, finish = slot.gain(tokens)
+        for tok in out:
+            self.rows.consume(b, tok)
+        if finish:
+            self.release(b)
         return SlotEvent(slot.request, out, finish, None if logprobs is None else logprobs[: len(out)])
 
     # -- requests ----------------------------------------------------------------------------------------
@@ -353,7 +362,7 @@ class SlotEngine:
         # 1. Choose: the plain step launched by the last call (if it still counts for a row), else a new step.
         self.choice.take_times()
         loop, events = self._loop, []
-        if loop.pending is not None and not self._valid(loop.pending).any():
+        if loop.pending is not None and not _valid(self.slots, loop.pending).any():
             loop.pending = None  # its rows all ended or left: nothing to read
         if loop.pending is not None and tree is not None:  # a given step runs after the unread one is read
             pending, loop.pending = loop.pending, None
@@ -408,8 +417,8 @@ class SlotEngine:
         grammar needs its state after the unread tokens for its mask, the row bucket changes, or the next
         step's graph still compiles."""
         following = self._choose(R)
-        valid = self._valid(launched)
-        wants = self._wants(valid, live)[:R]
+        valid = _valid(self.slots, launched)
+        wants = _wants(self.slots, valid, live)[:R]
         blocked = self.gen.needs_flush(self.state, R, lazy=self.choice.lazy_at(R)) or self._resync_row(R) is not None
         blocked = blocked or bool(self.rows.constrained[:R].any()) or not self._compiled(R, following)
         if following.depth or not wants.any() or launched.R != R or blocked:
@@ -425,23 +434,6 @@ class SlotEngine:
 
         return launch_next
 
-    def _valid(self, launched: Launched) -> np.ndarray:
-        """The rows of a launched step whose token counts: live at launch and still holding that request."""
-        return np.array(
-            [
-                rid is not None and self.slots[b] is not None and self.slots[b].request.id == rid
-                for b, rid in enumerate(launched.ids)
-            ]
-        )
-
-    def _wants(self, valid_R, live) -> np.ndarray:
-        """The busy slots that want a token after those of a launched step (``valid_R``: its rows that gain
-        one, :meth:`_valid`); the rows it ends by length do not."""
-        gains = np.zeros(self.B, bool)
-        gains[: len(valid_R)] = valid_R
-        left = [s.request.max_new_tokens - s.produced if s is not None else 0 for s in self.slots]
-        return np.array([live[b] and gains[b] < left[b] for b in range(self.B)])
-
     def _launch(self, live_R, root=None) -> Launched:
         """Launch a plain step over the first R = ``len(live_R)`` rows without waiting for it; ``root`` [R]:
         the tokens to feed (on the device), by default the host's."""
@@ -456,11 +448,11 @@ class SlotEngine:
         self.steps_by_k[0] = self.steps_by_k.get(0, 0) + 1
         return launched
 
-    def _read(self, launched: Launched, record: bool, valid=None, next_R=None) -> list[SlotEvent]:
-        """Read a launched plain step's tokens, commit them for its valid rows (:meth:`_valid`, unless given)
-        and emit their events; its time goes to the policy (:meth:`StepPolicy.record`)."""
+    def _read(self, launched: Launched, record: bool, next_R=None) -> list[SlotEvent]:
+        """Read a launched plain step's tokens (unless ``next_R`` holds them), commit them for its valid rows
+        (:func:`_valid`) and emit their events; its time goes to the policy (:meth:`StepPolicy.record`)."""
         now = time.perf_counter()
-        valid = self._valid(launched) if valid is None else valid
+        valid = _valid(self.slots, launched)
         next_R = self.gen.read_plain(launched, self.state, valid, self.choice.last_read, next_R)
         self.choice.record(launched.R, 0, now, learn=record)
         lp = None if launched.logprobs is None else host_logprobs(launched.logprobs, 1)

@@ -67,14 +67,8 @@ class SpeculativeGenerator(SpecStepper):
         n, B, stops, sampling, greedy_only, seeds = self._request(
             prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids
         )
-        lengths = np.array([len(p) for p in prompts] + [1] * (B - n), np.int32)
-        t0 = time.perf_counter()
-        logits, cache, dcache, last_aux = self.prefill_both(prompts, B)
-        first = np.asarray(sample_jit(logits, sampling, seeds, jnp.asarray(lengths), greedy_only=greedy_only))
-        self.stats.prefill_s += time.perf_counter() - t0
-        state, drafter = SpecState.start(first, lengths, self.Q), DraftState(dcache, self.context_aux(last_aux))
-        done = np.zeros(B, bool)
-        done[n:] = True
+        first, cache, state, drafter = self._prefill_rows(prompts, B, sampling, seeds, greedy_only)
+        done = np.arange(B) >= n  # the padding rows never run
         produced = np.zeros(B, np.int32)
         gained = [[] for _ in range(n)]
         for b in range(n):  # the first token comes from the prefill
@@ -125,8 +119,7 @@ class SpeculativeGenerator(SpecStepper):
             if turn.launched is None:
                 tokens, count, k = turn.result.tokens, turn.result.count, turn.result.k
             else:
-                state.commit_plain(turn.tokens, turn.launched.at, turn.launched.live)
-                self.spec.verify_s += turn.launched.device_seconds(t_read, now)
+                self.read_plain(turn.launched, state, turn.launched.live, t_read, turn.tokens)
                 tokens, count, k = self._plain_tokens(turn.tokens), np.ones(B, np.int32), 0
                 live = turn.launched.live & live
             if self.policy is not None:
@@ -139,6 +132,16 @@ class SpeculativeGenerator(SpecStepper):
                     self._emit(b, tokens[b, : int(count[b])].tolist(), gained, produced, done, stops, max_new_tokens)
             self.spec.host_s += time.perf_counter() - t2
             yield gained
+
+    def _prefill_rows(self, prompts, B: int, sampling, seeds, greedy_only: bool):
+        """Prefill the prompts (padded to B rows) and sample each row's first token: (first tokens [B] on the
+        host, target cache, row state, drafter state)."""
+        lengths = np.array([len(p) for p in prompts] + [1] * (B - len(prompts)), np.int32)
+        t0 = time.perf_counter()
+        logits, cache, dcache, last_aux = self.prefill_both(prompts, B)
+        first = np.asarray(sample_jit(logits, sampling, seeds, jnp.asarray(lengths), greedy_only=greedy_only))
+        self.stats.prefill_s += time.perf_counter() - t0
+        return first, cache, SpecState.start(first, lengths, self.Q), DraftState(dcache, self.context_aux(last_aux))
 
     def warmup(self, batch: int, prompt_len: int, max_new_tokens: int, *, greedy_only: bool = True) -> float:
         """Compile every graph a request of this size can call, before it arrives: a short run on a scratch
