@@ -155,6 +155,36 @@ ASSETS: dict[str, WheelAsset] = {
         member="llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates/meta-llama-Llama-3.1-8B-Instruct.jinja",
         sdist=True,
     ),
+    # llama.cpp's tokenizer test vectors from the same sdist (written by transformers' own tokenizers): the test
+    # strings (.inp, separated by marker lines) and their ids (.out, one line of ids per string).
+    "vocab-test-qwen2-inp": WheelAsset(
+        package="llama-cpp-python",
+        version="0.3.36",
+        sha256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
+        member="llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-qwen2.gguf.inp",
+        sdist=True,
+    ),
+    "vocab-test-qwen2-out": WheelAsset(
+        package="llama-cpp-python",
+        version="0.3.36",
+        sha256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
+        member="llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-qwen2.gguf.out",
+        sdist=True,
+    ),
+    "vocab-test-llama3-inp": WheelAsset(
+        package="llama-cpp-python",
+        version="0.3.36",
+        sha256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
+        member="llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-llama-bpe.gguf.inp",
+        sdist=True,
+    ),
+    "vocab-test-llama3-out": WheelAsset(
+        package="llama-cpp-python",
+        version="0.3.36",
+        sha256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
+        member="llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-llama-bpe.gguf.out",
+        sdist=True,
+    ),
 }
 
 
