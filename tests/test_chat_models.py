@@ -57,7 +57,7 @@ def o200k():
 
 def test_o200k_ids_equal_tiktoken(o200k, tmp_path, monkeypatch):
     """tiktoken's own o200k_harmony (its regex and specials), fed the pinned file through its cache."""
-    tiktoken = pytest.importorskip("tiktoken")
+    import tiktoken
     from tiktoken_ext.openai_public import o200k_harmony
 
     url = "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken"

@@ -49,7 +49,12 @@ def test_chat_parameters_not_implemented_are_refused_by_name_unless_neutral(name
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({**CHAT, "messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages.0.tool_calls"),
+        ({**CHAT, "messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages.0"),
+        ({**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages.0"),  # no tool_call_id
+        ({**CHAT, "messages": [{"role": "user", "content": None}]}, "messages.0"),
+        ({**CHAT, "reasoning_effort": "extreme"}, "reasoning_effort"),
+        ({**CHAT, "tool_choice": "sometimes"}, "tool_choice"),
+        ({**CHAT, "tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools.0.function.name"),
         (
             {**CHAT, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
             "stream_options.continuous_usage_stats",

@@ -105,8 +105,8 @@ def test_prompt_text_of_an_echo():
 def test_chat_body():
     choices, fmt = setup(chat(), [ids("hi")])
     [c] = choices
-    assert c.feed(event(c, "Hel")) == "Hel"
-    assert c.feed(event(c, "lo", "length")) == "lo"
+    assert c.feed(event(c, "Hel")).content == "Hel"
+    assert c.feed(event(c, "lo", "length")).content == "lo"
     assert fmt.full(choices, 5) == {
         "id": "chatcmpl-1",
         "object": "chat.completion",

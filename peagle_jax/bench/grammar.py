@@ -8,6 +8,10 @@
    prompts as free requests, as JSON-schema requests with grammar-aware drafting and without it; per number
    of concurrent requests, tokens per second (the three modes interleaved round by round), the tokens per
    target forward (acceptance length) and the host seconds per step spent on grammar masks.
+3. Forced tool calls (``--part tools``): the same measurement with chat prompts that ask for a tool, answered
+   freely, and as a forced call (``tool_choice: "required"``, the grammar of
+   :mod:`peagle_jax.chat.tool_grammar` in the ``hermes`` syntax: ``<tool_call>`` JSON) with grammar-aware
+   drafting and without it: what drafting inside a tool call's markup is worth.
 
 Prints markdown tables; ``--json FILE`` writes the results.
 """
@@ -74,6 +78,17 @@ PERSON = {
     "additionalProperties": False,
 }
 SUBJECTS = ["Marie Curie", "Alan Turing", "Ada Lovelace", "Isaac Newton", "Charles Darwin", "Grace Hopper"]
+# The tools part's requests: a question per city, with these tools, answered by a forced call.
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather forecast of a city",
+     "parameters": {"type": "object", "properties": {
+         "city": {"type": "string", "maxLength": 40}, "days": {"type": "integer", "minimum": 1, "maximum": 14},
+         "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "days", "unit"]}}},
+    {"type": "function", "function": {"name": "search_web", "description": "Search the web",
+     "parameters": {"type": "object", "properties": {"query": {"type": "string", "maxLength": 60}},
+                    "required": ["query"]}}},
+]  # fmt: skip
+CITIES = ["Lisbon", "Nairobi", "Osaka", "Toronto", "Santiago", "Oslo"]
 
 
 def _answer_ids(tok, answer) -> list[int]:
@@ -193,7 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2", help="target directory or 'smollm2' (default)")
     p.add_argument("--drafter", help="drafter directory (default: the shipped drafter of the model)")
     p.add_argument(
-        "--part", choices=["libraries", "serving", "both"], default="both", help="what to run (default both)"
+        "--part",
+        choices=["libraries", "serving", "tools", "both"],
+        default="both",
+        help="what to run: libraries, serving (JSON schemas), tools (forced tool calls), or both of the first two "
+        "(default both)",
     )
     p.add_argument(
         "--rows", default="1,4", help="concurrent requests of the serving part, comma-separated (default 1,4)"
@@ -238,6 +257,8 @@ def main(argv=None) -> int:
                 print(f"| {r['schema']} | {r['answer_tokens']} | {mine} | {other} |")
         if args.part in ("serving", "both"):
             results["serving"] = _serving(args, model_dir, tok, rows)
+        if args.part == "tools":
+            results["tools"] = _serving(args, model_dir, tok, rows, tools=True)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -247,7 +268,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _serving(args, model_dir, tok, rows) -> list[dict]:
+def _serving(args, model_dir, tok, rows, tools: bool = False) -> list[dict]:
     from tqdm import tqdm
 
     from peagle_jax.checkpoint import load_target_any
@@ -269,14 +290,22 @@ def _serving(args, model_dir, tok, rows) -> list[dict]:
     gen = SpeculativeGenerator(cfg, params, dcfg, dparams, tree=tree, max_seq_len=args.max_seq_len)
     stops = sorted(set(cfg.eos_token_ids) | {tok.eos_token_id})
     grammars = Grammars(tok, cfg.vocab_size, stops)
-    grammar = grammars.compile("json_schema", PERSON)
+    if tools:
+        from peagle_jax.chat.tool_grammar import forced_call_grammar
+
+        grammar = grammars.compile("lark", forced_call_grammar("hermes", TOOLS, None, parallel=False))
+        system = "You may call these tools, one per <tool_call></tool_call> block, as JSON with name and arguments:\n"
+        system += "\n".join(json.dumps(t) for t in TOOLS)
+        chats = [[{"role": "system", "content": system}, {"role": "user", "content": f"Weather in {c} for 3 days?"}]
+                 for c in CITIES]  # fmt: skip
+    else:
+        grammar = grammars.compile("json_schema", PERSON)
+        asks = [f"Describe {s} as a JSON object with the keys name, born, field and known_for." for s in SUBJECTS]
+        chats = [[{"role": "user", "content": a}] for a in asks]
     prompts = []
-    for s in SUBJECTS:
-        content = f"Describe {s} as a JSON object with the keys name, born, field and known_for."
-        chat = tok.apply_chat_template(
-            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True, return_dict=True
-        )
-        prompts.append(list(chat["input_ids"]))
+    for chat in chats:
+        ids = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)
+        prompts.append(list(ids["input_ids"]))
     out = []
     for r in rows:
         engines = {m: SlotEngine(gen, r, grammars=grammars) for m in ("free", "schema_aware", "schema_plain_draft")}
@@ -290,7 +319,8 @@ def _serving(args, model_dir, tok, rows) -> list[dict]:
         out.append(res)
     print(f"\n{spec_tree or 'chain'} drafts, {args.max_new_tokens} tokens at most; per mode: tokens/s (x free), "
           "tokens per target forward, grammar host ms per step\n")  # fmt: skip
-    print("| rows | free | schema, grammar-aware drafting | schema, drafts as drafted |\n|---|---|---|---|")
+    what = "forced tool call" if tools else "schema"
+    print(f"| rows | free | {what}, grammar-aware drafting | {what}, drafts as drafted |\n|---|---|---|---|")
     for res in out:
         cells = [
             f"{v['tokens_per_s']:.1f} tok/s ({v['over_free']:.2f}x), {v['acceptance_length']:.2f}, "

@@ -150,6 +150,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="read each step's tokens before launching the next (default: plain steps overlap the host; for A/B runs)",
     )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "qwen3_coder", "llama3_json", "openai", "none"],
+        help="the model's tool-call syntax, with vLLM's names: hermes (Qwen3's <tool_call> JSON), qwen3_coder "
+        "(Qwen3-Coder's XML), llama3_json (Llama 3.1), openai (GPT-OSS harmony), none (no tools). Default: "
+        "from the model (GPT-OSS: openai; else from its chat template; a model with none answers `tools` with 400)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=["qwen3", "openai_gptoss", "none"],
+        help="the model's reasoning syntax, sent apart from the content as `reasoning`: qwen3 (<think>...</think>), "
+        "openai_gptoss (harmony's analysis channel), none. Default: from the model (GPT-OSS: openai_gptoss; a "
+        "chat template with <think>: qwen3)",
+    )
     p.add_argument("--served-model-name", help="the `model` name clients use (default: 'smollm2' or the dir name)")
     p.add_argument("--sagemaker", action="store_true", help="SageMaker container contract (port 8080, /opt/ml/model)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
@@ -248,7 +262,8 @@ def parse_load_k(spec: str | None) -> tuple[list[tuple[int, int]], bool, tuple[i
 
 
 def load(args):
-    """(generator, tokenizer, stop ids, model name) for the resolved args."""
+    """(generator, tokenizer, stop ids, model name, chat format) for the resolved args."""
+    from peagle_jax.chat.format import detect
     from peagle_jax.loading import GeneratorOptions, build_generator, load_tokenizer, resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
@@ -264,11 +279,14 @@ def load(args):
         window_buckets=args.window_buckets,
     )
     gen = build_generator(opts, model_dir)
-    stops = set(gen.cfg.eos_token_ids)
+    template = getattr(tokenizer, "chat_template", None)
+    chat = detect(gen.cfg.family, template if isinstance(template, str) else None, args.tool_call_parser,
+                  args.reasoning_parser)  # fmt: skip
+    stops = set(gen.cfg.eos_token_ids) | set(chat.stop_ids())
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         stops.add(tokenizer.eos_token_id)
     name = args.served_model_name or ("smollm2" if args.model == "smollm2" else Path(args.model).resolve().name)
-    return gen, tokenizer, tuple(sorted(stops)), name
+    return gen, tokenizer, tuple(sorted(stops)), name, chat
 
 
 def grammars_for(tokenizer, vocab_size: int, stops):
@@ -310,7 +328,7 @@ def main(argv=None) -> int:
 
         if not args.warmup_only:  # while the weights and tokenizer load; stopped when the warm-up starts
             executables.load_ahead()
-        gen, tokenizer, stops, name = load(args)
+        gen, tokenizer, stops, name, chat = load(args)
 
         # Log-probabilities are computed in every step graph (one static flag, so a request that asks for
         # them compiles nothing): the log-softmax and top 20 of the emitted positions only. Likewise every
@@ -327,7 +345,7 @@ def main(argv=None) -> int:
     except (UserError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    return serve(args, engine, tokenizer, stops, name, sock)
+    return serve(args, engine, tokenizer, stops, name, chat, sock)
 
 
 def warmup_only(args, engine) -> int:
@@ -371,7 +389,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(args, engine, tokenizer, stops, name, sock: socket.socket | None = None) -> int:
+def serve(args, engine, tokenizer, stops, name, chat, sock: socket.socket | None = None) -> int:
     from peagle_jax.serve.app import ServerState, build_app
     from peagle_jax.serve.metrics import Metrics
     from peagle_jax.serve.worker import EngineWorker
@@ -394,8 +412,9 @@ def serve(args, engine, tokenizer, stops, name, sock: socket.socket | None = Non
         log.info("compilation cache: %s", args.compilation_cache)
     metrics.active_slots = lambda: engine.active
     state = ServerState(
-        worker, tokenizer, name, args.max_seq_len, stops, max_body_bytes=args.max_body_size, api_key=args.api_key
-    )
+        worker, tokenizer, name, args.max_seq_len, stops, max_body_bytes=args.max_body_size, api_key=args.api_key,
+        chat=chat,
+    )  # fmt: skip
 
     def progress(phase, done, total):
         if done == total or done % 8 == 0:

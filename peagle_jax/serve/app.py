@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from peagle_jax.chat.format import ChatFormat
 from peagle_jax.serve import protocol, responses
 from peagle_jax.serve.protocol import APIError, ChatRequest, CompletionRequest
 from peagle_jax.serve.requests import Translator
@@ -44,6 +45,7 @@ class ServerState:
     retry_after_s: int = 1
     max_body_bytes: int = 8 << 20  # a larger request body is refused with 413 before it is read further
     api_key: str | None = None  # when set, every /v1 route needs "Authorization: Bearer <api_key>"
+    chat: ChatFormat = dataclasses.field(default_factory=ChatFormat)  # tool calls and reasoning (peagle_jax.chat)
 
 
 def build_app(state: ServerState, lifespan=None) -> Starlette:
@@ -94,6 +96,7 @@ class _Routes:
             capacity=engine.B + state.worker.max_queue,
             check=engine.check,
             grammars=engine.grammars,
+            chat=state.chat,
         )
 
     def authorize(self, request: Request) -> None:
@@ -136,7 +139,8 @@ class _Routes:
         sreqs = await asyncio.to_thread(self.translator.slot_requests, req)
         events: asyncio.Queue = asyncio.Queue()
         self._submit(sreqs, events)
-        choices = responses.choices_of(req, sreqs, self.state.tokenizer)
+        parsers = self.translator.parsers(req, sreqs[0].prompt)
+        choices = responses.choices_of(req, sreqs, self.state.tokenizer, parsers)
         fmt = responses.formatter_for(req, choices, self.state.model_name)
         if req.stream:
             return StreamingResponse(

@@ -3,7 +3,8 @@ an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``), never
 
 The schemas are strict about types: wrong JSON types are refused (no ``"1"`` for a number). The OpenAI
 parameters this server does not implement are refused by name (a 400, ``unsupported_parameter``) unless
-they have their neutral values (no tools, ``response_format`` text, ...). ``presence_penalty``,
+they have their neutral values (no ``functions``, no ``audio``, ...). Tools and reasoning are served
+(:mod:`peagle_jax.serve.chat_schema`, :mod:`peagle_jax.chat`). ``presence_penalty``,
 ``frequency_penalty`` (over the generated tokens, [-2, 2]) and ``logit_bias`` (token id -> [-100, 100]) are
 served (:mod:`peagle_jax.logit_rules`).
 Log-probabilities are served (chat ``logprobs`` + ``top_logprobs``, completions ``logprobs``, 0..20
@@ -14,12 +15,13 @@ field does not break its clients. Inside messages and ``stream_options`` unknown
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from peagle_jax.logit_rules import MAX_BIAS, MAX_PENALTY
+from peagle_jax.serve.chat_schema import Message, ReasoningEffort, Tool, ToolChoice
 
 # Stop strings per request. The OpenAI API allows 4, vLLM any number; lm-evaluation-harness sends a task's
 # `until` strings and the EOS string (6 for humaneval).
@@ -98,40 +100,31 @@ class CompletionRequest(_Common):
     suffix: str | None = None
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class Message(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
-    name: str | None = None
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
-
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # Tool calls and reasoning (peagle_jax.chat): the OpenAI fields, and vLLM's include_reasoning (false: the
+    # answer's reasoning is left out) and chat_template_kwargs (extra variables for the chat template, such
+    # as Qwen3's enable_thinking).
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    include_reasoning: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # Chat parameters of the OpenAI API that this server does not implement, with the values at which they
 # change nothing (accepted); any other value is a 400 naming the parameter. The completions API defines no
 # parameter beyond those the schema declares.
 CHAT_NOT_IMPLEMENTED = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None, True, False),
     "functions": (None, []),
     "function_call": (None, "none"),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
-    "reasoning_effort": (None,),
     "verbosity": (None,),
     "web_search_options": (None,),
     "store": (None, False),

@@ -13,6 +13,8 @@ import json
 import secrets
 from collections.abc import Callable
 
+from peagle_jax.chat.format import TOOL_PARSERS, ChatFormat
+from peagle_jax.chat.output import OutputParser
 from peagle_jax.engine.generator import RequestError
 from peagle_jax.errors import UserError
 from peagle_jax.serve import protocol
@@ -44,6 +46,7 @@ class Translator:
     capacity: int
     check: Callable[[SlotRequest], None] | None = None
     grammars: object | None = None
+    chat: ChatFormat = dataclasses.field(default_factory=ChatFormat)
     _compiled: dict[str, str] = dataclasses.field(default_factory=dict, init=False, repr=False)
 
     def encode(self, prompt) -> list[int]:
@@ -58,15 +61,27 @@ class Translator:
         """The token ids of each prompt: one for chat, one per prompt of a completions list."""
         tok = self.tokenizer
         if isinstance(req, ChatRequest):
-            if tok is None or not getattr(tok, "chat_template", None):
+            if tok is None or not (getattr(tok, "chat_template", None) or self.chat.harmony):
                 raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+            check_tools(req, self.chat)
+            for i, tool in enumerate(req.tools or ()):
+                self.compiled(("json_schema", tool.function.parameters or {}), f"tools.{i}.function.parameters")
+            msgs = [m.as_dict() for m in req.messages]
             try:
-                ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-            except Exception as err:  # noqa: BLE001 - a template may refuse a conversation (e.g. role order)
-                raise APIError(400, f"the chat template refused these messages: {err}", param="messages") from None
-            return [list(ids["input_ids"] if hasattr(ids, "keys") else ids)]
+                ids = self.chat.render(
+                    tok, msgs, tools_in_prompt(req), effort=req.reasoning_effort, kwargs=req.chat_template_kwargs
+                )
+            except UserError as err:
+                raise APIError(400, str(err), param="messages") from None
+            return [ids]
         return [self.encode(p) for p in protocol.prompt_list(req)]
+
+    def parsers(self, req, prompt: list[int]) -> Callable[[], OutputParser | None]:
+        """Makes one answer parser per choice of a chat request (None: its answers are plain content)."""
+        if not isinstance(req, ChatRequest):
+            return lambda: None
+        tools = tools_in_prompt(req)
+        return lambda: self.chat.parser(self.tokenizer, tools, prompt)
 
     def slot_requests(self, req) -> list[SlotRequest]:
         """One SlotRequest per choice, in choice order: prompt i's choice j is choice ``i * n + j``, with seed
@@ -145,12 +160,24 @@ class Translator:
         return sreq
 
     def grammar_of(self, req) -> str | None:
-        """The request's compiled grammar (structured outputs), or None; a 400 when it does not compile.
-        Compiled grammars are kept by their request (the last :data:`GRAMMAR_CACHE`)."""
+        """The request's compiled grammar (structured outputs, or a forced tool call), or None; a 400 when it
+        does not compile."""
         spec = protocol.structured(req)
+        param = protocol.structured_param(req)
+        forced = forced_choice(req)
+        if forced is not None:
+            if spec is not None:
+                raise APIError(400, f"a forced tool_choice and {param} cannot be combined", param="tool_choice")
+            parallel = req.parallel_tool_calls is not False
+            tools = [t.model_dump() for t in req.tools]
+            spec, param = ("lark", self.chat.forced(tools, forced or None, parallel)), "tool_choice"
         if spec is None:
             return None
-        param = protocol.structured_param(req)
+        return self.compiled(spec, param)
+
+    def compiled(self, spec: tuple, param: str) -> str:
+        """A grammar (kind, value) compiled, or a 400 naming ``param``. Compiled grammars are kept by their
+        spec (the last :data:`GRAMMAR_CACHE`)."""
         if self.grammars is None:
             raise APIError(400, f"{param}: this server has no tokenizer for structured outputs", param=param)
         key = json.dumps(spec, sort_keys=True)
@@ -162,3 +189,49 @@ class Translator:
             while len(self._compiled) > GRAMMAR_CACHE:
                 self._compiled.pop(next(iter(self._compiled)))
         return self._compiled[key]
+
+
+def tools_in_prompt(req) -> list[dict] | None:
+    """The request's tools as the prompt shows them (OpenAI function tools), None when it has none or its
+    ``tool_choice`` is ``none`` (then the model is not told about them, so it cannot call them)."""
+    if not isinstance(req, ChatRequest) or not req.tools or req.tool_choice == "none":
+        return None
+    return [t.model_dump(exclude_none=True) for t in req.tools]
+
+
+def forced_choice(req) -> str | None:
+    """The tool a chat request forces: a named choice's name, ``""`` for ``required`` (any tool), None when it
+    forces none."""
+    if not isinstance(req, ChatRequest):
+        return None
+    choice = req.tool_choice
+    if choice == "required":
+        return ""
+    return None if choice is None or isinstance(choice, str) else choice.function.name
+
+
+def check_tools(req: ChatRequest, chat: ChatFormat) -> None:
+    """A 400 for tools a request cannot have: a ``tool_choice`` that forces a call without tools or names no
+    given tool; tools for a model with no known call syntax; a tool result answering no earlier call."""
+    names = [t.function.name for t in req.tools or ()]
+    forced = forced_choice(req)
+    if forced is not None and not names:
+        raise APIError(400, "tool_choice forces a tool call but the request has no tools", param="tool_choice")
+    if forced and forced not in names:
+        message = f"tool_choice names the function {forced!r}, which is not among the tools ({', '.join(names)})"
+        raise APIError(400, message, param="tool_choice")
+    if len(set(names)) != len(names):
+        raise APIError(400, "tools: two tools have the same name", param="tools")
+    if names and req.tool_choice != "none" and chat.tool_parser is None:
+        raise APIError(
+            400,
+            "this model has no known tool-call syntax: start the server with --tool-call-parser "
+            f"({', '.join(TOOL_PARSERS)}) to serve tools",
+            param="tools",
+        )
+    calls: set[str] = set()
+    for i, m in enumerate(req.messages):
+        calls.update(c.id for c in m.tool_calls or ())
+        if m.role == "tool" and m.tool_call_id not in calls:
+            message = f"messages.{i}: tool_call_id {m.tool_call_id!r} answers no earlier assistant tool call"
+            raise APIError(400, message, param=f"messages.{i}.tool_call_id")

@@ -14,6 +14,7 @@ import json
 import secrets
 import time
 
+from peagle_jax.chat.output import Delta, OutputParser
 from peagle_jax.serve import protocol
 from peagle_jax.serve.logprobs import LogprobsWriter
 from peagle_jax.serve.protocol import APIError, ChatRequest
@@ -78,12 +79,15 @@ class Choice:
     finish: str | None = None
     writer: LogprobsWriter | None = None  # None: the request wants no log-probabilities
     echo: str = ""
+    parser: OutputParser | None = None  # a chat answer's parser (tool calls, reasoning); None: plain content
+    include_reasoning: bool = True
     _lp_tokens: list[int] = dataclasses.field(default_factory=list)
     _lp_values: list = dataclasses.field(default_factory=list)
 
-    def feed(self, ev) -> str:
+    def feed(self, ev) -> Delta:
         """Take one event's tokens (and log-probabilities: an echo's prompt tokens first, the first of them
-        without values); returns the text that is safe to send."""
+        without values); returns what is safe to send: the new text as content, or what the parser made of
+        it. An answer that ends with tool calls finishes with ``tool_calls``."""
         self.produced += len(ev.tokens)
         self.tokens += ev.tokens
         if self.writer is not None:
@@ -92,9 +96,53 @@ class Choice:
                 self._lp_values += [(None, None), *ev.prompt_logprobs]
             self._lp_tokens += ev.tokens
             self._lp_values += ev.logprobs
-        delta = self.text.feed(ev.tokens, final=ev.finish_reason is not None)
+        text = self.text.feed(ev.tokens, final=ev.finish_reason is not None)
         self.finish = "stop" if self.text.stopped else ev.finish_reason
+        if self.parser is None:
+            return Delta(content=text)
+        delta = self.parser.feed(text, ev.tokens, final=self.finish is not None)
+        if self.finish == "stop" and self.parser.result().tool_calls:
+            self.finish = "tool_calls"
         return delta
+
+    def message(self) -> dict:
+        """The whole answer as a chat message (content, and what the parser found: reasoning, tool calls)."""
+        if self.parser is None:
+            return {"role": "assistant", "content": self.text.text}
+        parsed = self.parser.result()
+        content = parsed.content if parsed.content is not None or parsed.tool_calls else ""
+        out = {"role": "assistant", "content": content}
+        if parsed.reasoning is not None and self.include_reasoning:
+            out["reasoning"] = out["reasoning_content"] = parsed.reasoning
+        if parsed.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in parsed.tool_calls
+            ]
+        return out
+
+    def delta_object(self, delta: Delta) -> dict:
+        """A stream chunk's ``delta`` for ``delta``: content, reasoning (also as ``reasoning_content``, for
+        older clients; left out without ``include_reasoning``), tool-call pieces as the OpenAI API streams
+        them (a call's first piece has its id, type and name; later ones only argument text)."""
+        out: dict = {}
+        if delta.reasoning and self.include_reasoning:
+            out["reasoning"] = out["reasoning_content"] = delta.reasoning
+        if delta.content:
+            out["content"] = delta.content
+        calls = []
+        for d in delta.tool_calls:
+            call: dict = {"index": d.index}
+            if d.id is not None:
+                call.update(id=d.id, type="function")
+            function = {"name": d.name} if d.name is not None else {}
+            if d.arguments or d.name is not None:
+                function["arguments"] = d.arguments
+            call["function"] = function
+            calls.append(call)
+        if calls:
+            out["tool_calls"] = calls
+        return out
 
     def take_echo(self) -> str:
         echo, self.echo = self.echo, ""
@@ -109,16 +157,17 @@ class Choice:
         return out
 
 
-def choices_of(req, sreqs: list[SlotRequest], tokenizer) -> list[Choice]:
+def choices_of(req, sreqs: list[SlotRequest], tokenizer, parsers=lambda: None) -> list[Choice]:
     """The choices of a validated request, one per slot request in choice order (prompt i's choice j is
     choice ``i * n + j``): each with the request's stop strings, a log-probability writer when it wants them,
-    and with a completions ``echo`` its prompt's text."""
+    with a completions ``echo`` its prompt's text, and a chat answer's parser from ``parsers()``."""
     stops = protocol.stop_strings(req)
     top = protocol.logprobs_wanted(req)
     n = req.n or 1
     out = []
     for i, sreq in enumerate(sreqs):
-        c = Choice(i, sreq, TextStream(tokenizer, stops))
+        c = Choice(i, sreq, TextStream(tokenizer, stops), parser=parsers())
+        c.include_reasoning = not isinstance(req, ChatRequest) or req.include_reasoning
         if top is not None:
             c.writer = LogprobsWriter(tokenizer, isinstance(req, ChatRequest), top)
         if echo_of(req):
@@ -157,7 +206,7 @@ class Formatter:
         out = []
         for c in choices:
             if self.chat:
-                choice = {"index": c.index, "message": {"role": "assistant", "content": c.text.text}}
+                choice = {"index": c.index, "message": c.message()}
             else:
                 choice = {"index": c.index, "text": c.take_echo() + c.text.text}
             choice.update(logprobs=c.take_logprobs(), finish_reason=c.finish)
@@ -173,11 +222,14 @@ class Formatter:
         return body
 
     def chunk(
-        self, delta: str, finish: str | None = None, produced: int | None = None, first=False, index=0, choice=None
+        self, delta: Delta, finish: str | None = None, produced: int | None = None, first=False, index=0, choice=None
     ) -> str:
         """One server-sent event of ``choice`` (its index, and the log-probabilities and echo it holds)."""
         if self.chat:
-            d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
+            if first:
+                d = {"role": "assistant", "content": ""}
+            else:
+                d = Choice.delta_object(choice, delta) if choice is not None else {"content": delta.content}
             logprobs = None if first or choice is None else choice.take_logprobs()
             choice_obj = {"index": index, "delta": d, "logprobs": logprobs, "finish_reason": finish}
             obj = {**self._head("chat.completion.chunk"), "choices": [choice_obj]}
@@ -186,7 +238,9 @@ class Formatter:
             logprobs = None if choice is None else choice.take_logprobs()
             obj = {
                 **self._head("text_completion"),
-                "choices": [{"index": index, "text": echo + delta, "logprobs": logprobs, "finish_reason": finish}],
+                "choices": [
+                    {"index": index, "text": echo + delta.content, "logprobs": logprobs, "finish_reason": finish}
+                ],
             }
         if produced is not None:
             obj["usage"] = self.usage(produced)
@@ -195,13 +249,14 @@ class Formatter:
     def opening(self, choices: list[Choice]) -> list[str]:
         """The events a stream starts with: chat's first chunk per choice (the assistant role); none for
         completions."""
-        return [self.chunk("", first=True, index=c.index) for c in choices] if self.chat else []
+        return [self.chunk(Delta(), first=True, index=c.index) for c in choices] if self.chat else []
 
-    def step(self, choice: Choice, delta: str, choices: list[Choice]) -> str | None:
+    def step(self, choice: Choice, delta: Delta, choices: list[Choice]) -> str | None:
         """The event after ``choice`` took an event and returned ``delta``: its new text (None when there is
         none yet), or its finish reason; the last choice to finish also carries the request's usage."""
         if choice.finish is None:
-            return self.chunk(delta, index=choice.index, choice=choice) if delta else None
+            wanted = choice.delta_object(delta) if self.chat else delta.content
+            return self.chunk(delta, index=choice.index, choice=choice) if wanted else None
         last = all(c.finish is not None for c in choices)
         produced = sum(c.produced for c in choices) if last else None
         return self.chunk(delta, choice.finish, produced, index=choice.index, choice=choice)
