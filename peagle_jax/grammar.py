@@ -51,6 +51,10 @@ class Grammars:
         llg = _llguidance()
         self.vocab, self.words = vocab_size, mask_words(vocab_size)
         eos = [int(t) for t in eos_ids] or None
+        if _has_text_added_tokens(hf_tokenizer):
+            tokens = _Tokens(hf_tokenizer, vocab_size, byte_level=True)
+            self.tokenizer = llg.LLTokenizer(tokens.wrapper, n_vocab=vocab_size, eos_token=eos)
+            return
         try:
             self.tokenizer = llg.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
         except ValueError:  # a tokenizer llguidance cannot read (e.g. its decoder): its tokens one by one
@@ -90,16 +94,47 @@ class Grammars:
         return Constraint(self, grammar)
 
 
-class _Tokens:
-    """A tokenizer as llguidance's ``TokenizerWrapper`` reads it: each token's bytes (its text alone; ids past
-    the tokenizer's vocabulary are empty), special tokens and an encoder."""
+def _byte_table() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's), character -> byte: printable bytes stand for themselves, the
+    others are shifted to U+0100 and up."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = sorted(set(range(256)) - set(printable))
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
 
-    def __init__(self, hf_tokenizer, vocab_size: int):
+
+def _has_text_added_tokens(hf_tokenizer) -> bool:
+    """Whether a byte-level BPE tokenizer has added tokens that are text, not special (Qwen3's ``<think>``,
+    ``<tool_call>``). llguidance's reader of tokenizer.json takes every added token for a special one, which a
+    grammar's text could never match; :class:`_Tokens` reads such a tokenizer right."""
+    spec = json.loads(hf_tokenizer.backend_tokenizer.to_str())
+    byte_level = "ByteLevel" in json.dumps(spec.get("pre_tokenizer")) and spec.get("model", {}).get("type") == "BPE"
+    return byte_level and any(not t.get("special") for t in spec.get("added_tokens", []))
+
+
+class _Tokens:
+    """A tokenizer as llguidance's ``TokenizerWrapper`` reads it: each token's bytes (ids past the tokenizer's
+    vocabulary are empty), its special tokens and an encoder. ``byte_level``: the bytes are read from a
+    byte-level BPE vocabulary and the added tokens' text, and only the added tokens marked special are special;
+    else each token's text alone, decoded."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, byte_level: bool = False):
         llg = _llguidance()
         self.eos_token_id, self.bos_token_id = hf_tokenizer.eos_token_id, hf_tokenizer.bos_token_id
-        n = min(len(hf_tokenizer), vocab_size)
-        self.tokens = [hf_tokenizer.decode([i]).encode() for i in range(n)] + [b""] * (vocab_size - n)
-        self.special_token_ids = list(hf_tokenizer.all_special_ids)
+        if byte_level:
+            table = _byte_table()
+            self.tokens = [b""] * vocab_size
+            for text, i in hf_tokenizer.backend_tokenizer.get_vocab(with_added_tokens=False).items():
+                if i < vocab_size:
+                    self.tokens[i] = bytes(table[c] for c in text)
+            added = hf_tokenizer.added_tokens_decoder
+            for i, token in added.items():
+                if i < vocab_size:
+                    self.tokens[i] = token.content.encode()
+            self.special_token_ids = [i for i, token in added.items() if token.special and i < vocab_size]
+        else:
+            n = min(len(hf_tokenizer), vocab_size)
+            self.tokens = [hf_tokenizer.decode([i]).encode() for i in range(n)] + [b""] * (vocab_size - n)
+            self.special_token_ids = list(hf_tokenizer.all_special_ids)
         self._tokenizer = hf_tokenizer
         self.wrapper = llg.TokenizerWrapper(self)
 

@@ -151,3 +151,17 @@ def test_tools_for_a_model_without_a_call_syntax_name_the_flag():
     assert err.value.status == 400 and "--tool-call-parser" in err.value.message
     (sreq,) = t.slot_requests(_request(tools=[WEATHER], tool_choice="none"))  # tools left out: fine
     assert sreq.grammar is None
+
+
+def test_qwen3_s_text_tokens_match_a_grammar_s_text():
+    """``<tool_call>`` and ``<think>`` are added tokens of Qwen3 that are text, not special: a grammar's text
+    matches them (llguidance's own reader of tokenizer.json would take them for special tokens)."""
+    import llguidance
+
+    t = _translator("qwen3")
+    for text in ["<tool_call>\n{}", " <think>\nhm 🎉 é漢</think>"]:
+        m = llguidance.LLMatcher(t.grammars.tokenizer, t.grammars.compile("regex", "(?s:.*)"))
+        ids = t.tokenizer.encode(text, add_special_tokens=False)
+        assert {151657, 151667} & set(ids)
+        assert all(m.consume_token(i) for i in ids)
+    assert t.grammars.tokenizer.is_special_token(151645)  # <|im_end|> stays special
