@@ -138,7 +138,7 @@ def test_the_sdk_round_trip_renders_the_call_and_its_result(servers, kind):
     first = client.chat.completions.create(model=kind, messages=ASK, tools=TOOLS, tool_choice=named, temperature=0)
     message = first.choices[0].message
     (call,) = message.tool_calls
-    history = [*ASK, message.model_dump(exclude_none=True)]
+    history = [*ASK, message]  # the SDK's message object, sent back as it came
     history.append({"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 degrees"})
     args = dict(model=kind, messages=history, tools=TOOLS, temperature=0, max_tokens=12)
     answer = client.chat.completions.create(**args, extra_body={"return_token_ids": True})

@@ -41,6 +41,11 @@ class Message(_Strict):
     tool_call_id: str | None = None  # tool
     reasoning: str | None = None  # assistant; reasoning_content is the older name of the same field
     reasoning_content: str | None = None
+    # Fields an SDK echoes back with an assistant message it received: accepted at their neutral values.
+    refusal: None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
 
     @model_validator(mode="after")
     def _roles(self):
