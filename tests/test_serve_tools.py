@@ -1,6 +1,6 @@
 """Tool calls and reasoning through the server, on tiny random models that carry the real tokenizers and chat
 templates (tests/chat_models.py): Qwen3 (its template, ``<tool_call>`` JSON, ``<think>``) and GPT-OSS
-(harmony). Random weights ramble, so a forced ``tool_choice`` shows what the grammar guarantees: the call
+(harmony), and for forced calls also Qwen3-Coder (XML calls) and Llama 3.1 (JSON calls). Random weights ramble, so a forced ``tool_choice`` shows what the grammar guarantees: the call
 comes first, parses and validates, within a bounded number of tokens; a plain and a speculative server
 (random drafter, every step drafted) give the same tokens and calls; streaming sends the same call in pieces;
 the OpenAI SDK round trip (call, tool result, answer) renders the result into the next prompt."""
@@ -79,7 +79,7 @@ def _check_calls(message: dict, forced) -> None:
         assert [c["function"]["name"] for c in calls] == [forced["function"]["name"]]
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "gpt-oss"])
+@pytest.mark.parametrize("kind", ["qwen3", "gpt-oss", "qwen3-coder", "llama3.1"])
 def test_forced_calls_parse_validate_and_equal_on_plain_and_speculative_servers(servers, kind):
     plain, spec = servers(kind)
     for choice in CHOICES:
