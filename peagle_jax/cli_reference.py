@@ -23,6 +23,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("python -m peagle_jax.generate", "peagle_jax.generate", "build_parser"),
     ("python -m peagle_jax.serve", "peagle_jax.serve.__main__", "build_parser"),
     ("python -m peagle_jax.convert", "peagle_jax.convert", "build_parser"),
+    ("python -m peagle_jax.models.random_checkpoint", "peagle_jax.models.random_checkpoint", "build_parser"),
     ("python -m peagle_jax.neuron", "peagle_jax.neuron.__main__", "build_parser"),
     ("python train/train.py", "peagle_jax.train.cli", "build_parser"),
     ("python -m peagle_jax.train.card", "peagle_jax.train.card", "build_parser"),
