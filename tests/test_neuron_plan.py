@@ -220,6 +220,7 @@ def test_plan_cli_on_the_shipped_configs(capsys):
     from peagle_jax.neuron.__main__ import main
 
     gpt = ["plan", "--model", str(CONFIGS / "gpt-oss-20b.json"), "--k", "10", "--acceptance-length", "3"]
+    gpt += ["--experts", "unpacked"]  # packed (the default for GPT-OSS): test_plan_experts_flag
     assert main(gpt) == 0
     out = capsys.readouterr().out
     assert "3.61 B active per token" in out and "released gpt-oss-20b drafter's shape (4 layers" in out
@@ -234,7 +235,91 @@ def test_plan_cli_on_the_shipped_configs(capsys):
     assert "--tp 16 must divide the target's 8 kv heads" in capsys.readouterr().err
     # gpt-oss-120b in bf16 (234 GB) fits nowhere: TP stops at its 8 kv heads, 29 GiB per device.
     big = ["plan", "--model", str(CONFIGS / "gpt-oss-120b.json"), "--k", "8", "--acceptance-length", "3"]
-    assert main(big) == 2
+    assert main([*big, "--experts", "unpacked"]) == 2
     captured = capsys.readouterr()
     assert "| trn2.48xlarge | 8 | refused: does not fit at TP 8: 31.8 GiB per device" in captured.out
     assert "fits on none of these instances" in captured.err
+
+
+# A tiny GPT-OSS whose widths are whole MXFP4 blocks: 2 layers, D = F = 32, 4 experts, top-2.
+TINY_PACKABLE = {**TINY_MOE, "hidden_size": 32, "intermediate_size": 32, "head_dim": 8}
+
+
+@pytest.mark.parametrize("dtype, itemsize", [("float32", 4), ("bfloat16", 2)])
+def test_packed_experts_count_4_25_bits_per_weight_by_hand(dtype, itemsize):
+    cfg = from_hf_config(TINY_PACKABLE, dtype=dtype)
+    unpacked = model_cost(cfg, expert_split="experts", tp=2)
+    packed = model_cost(cfg, expert_split="experts", tp=2, experts="packed")
+    # Per layer: gate_up [4, 2, 32, 32] 8192 + down [4, 32, 32] 4096 = 12288 expert weights: packed, 6144
+    # bytes of FP4 codes (two a byte) + 384 E8M0 scales (one per 32 weights) = 6528 bytes = 4.25 bits each.
+    saved = 2 * (12288 * itemsize - 6528)
+    assert packed.param_bytes == unpacked.param_bytes - saved
+    assert packed.weight_bytes == unpacked.weight_bytes - saved
+    assert packed.split_param_bytes == unpacked.split_param_bytes - saved
+    assert packed.expert_bytes == unpacked.expert_bytes - saved  # what a step reads of the routed experts
+    assert (packed.num_params, packed.matmul_params, packed.expert_params) == (
+        unpacked.num_params,
+        unpacked.matmul_params,
+        unpacked.expert_params,
+    )
+    assert packed.unpack_bytes == 12288 * itemsize and unpacked.unpack_bytes == 0  # one layer, run dtype
+    assert (packed.experts, unpacked.experts) == ("packed", "unpacked")
+    # The biases (gate_up [4, 64] and down [4, 32] per layer) stay in the run dtype.
+    biases = 2 * (256 + 128) * itemsize
+    assert packed.expert_bytes == 2 * 6528 + biases
+    drafter = ModelCost(0, 0, 0)
+    m = plan(packed, drafter, INSTANCES["trn1.32xlarge"], tp=2, k=3, acceptance_length=2, context=0).memory
+    assert m.unpack == 12288 * itemsize / 2 and m.total == pytest.approx(packed.memory_per_device(2) + m.unpack)
+
+
+def test_a_tree_already_packed_counts_as_the_packed_count():
+    """A parameter tree holding the experts as uint8 blocks and scales (the packed MoE's own parameters) gives
+    the bytes and weights that counting the unpacked tree as packed gives."""
+    import jax
+
+    from peagle_jax.neuron.plan import _cost
+
+    cfg = from_hf_config(TINY_PACKABLE)
+    u8, f32 = jax.numpy.uint8, jax.numpy.float32
+    E, F, D = 4, 32, 32
+
+    def layer(packed):
+        shapes = {"gate_up_proj_bias": ((E, 2, F), f32), "down_proj_bias": ((E, D), f32)}
+        if packed:
+            shapes["gate_up_proj_blocks"] = ((E, 2, F, D // 32, 16), u8)
+            shapes["gate_up_proj_scales"] = ((E, 2, F, D // 32), u8)
+            shapes["down_proj_blocks"] = ((E, D, F // 32, 16), u8)
+            shapes["down_proj_scales"] = ((E, D, F // 32), u8)
+        else:
+            shapes["gate_up_proj"] = ((E, 2, F, D), f32)
+            shapes["down_proj"] = ((E, D, F), f32)
+        experts = {name: jax.ShapeDtypeStruct(*shape_dtype) for name, shape_dtype in shapes.items()}
+        return {"mlp": {"experts": experts, "router": {"weight": jax.ShapeDtypeStruct((E, D), f32)}}}
+
+    args = (False, 2, 2, 8, f32, None, cfg.moe)
+    from_packed = _cost({"layers.0": layer(True), "layers.1": layer(True)}, *args)
+    counted = _cost({"layers.0": layer(False), "layers.1": layer(False)}, *args, packed=True)
+    assert from_packed == counted and counted.param_bytes == 2 * (6528 + (256 + 128 + 128) * 4)
+
+
+def test_plan_experts_flag(capsys):
+    from peagle_jax.neuron.__main__ import main
+
+    gpt = ["plan", "--model", str(CONFIGS / "gpt-oss-20b.json"), "--k", "10", "--acceptance-length", "3"]
+    for flag in ([], ["--experts", "packed"]):  # auto: the config's quantization_config is mxfp4
+        assert main([*gpt, *flag, "--instance", "trn1.2xlarge", "--tp", "2"]) == 0
+        out = capsys.readouterr().out
+        assert "13.76 GB of bfloat16 and MXFP4 parameters" in out  # the hub checkpoint's 13,761,264,768 bytes
+        assert "expert matrices: packed MXFP4, 4.25 bits per weight" in out
+        assert "| trn1.2xlarge | 2 | 10.9 of 16 GiB |" in out
+    assert main([*gpt, "--experts", "unpacked", "--instance", "trn1.2xlarge", "--tp", "2"]) == 2
+    assert "does not fit at TP 2: 23.2 GiB per device" in capsys.readouterr().err
+    assert main([*gpt, "--instance", "trn1.2xlarge", "--tp", "1"]) == 2  # 12.8 + 2.62 drafter + 1.48 unpacking
+    assert "does not fit at TP 1: 17.0 GiB per device (target weights 12.8" in capsys.readouterr().err
+    qwen = ["plan", "--model", str(CONFIGS / "Qwen3-Coder-30B-A3B-Instruct.json"), "--acceptance-length", "3"]
+    assert main([*qwen, "--experts", "packed"]) == 2
+    assert "only GPT-OSS's MXFP4 experts are held packed" in capsys.readouterr().err
+    assert main(["plan", "--acceptance-length", "3", "--experts", "packed"]) == 2  # smollm2: dense
+    capsys.readouterr()
+    assert main(["plan", "--acceptance-length", "3", "--instance", "inf2.xlarge", "--tp", "1"]) == 0  # auto
+    assert "MXFP4" not in capsys.readouterr().out

@@ -20,6 +20,14 @@ The model (one step, batch ``B``, TP over ``tp`` devices):
 - tokens/s = ``B / plain step`` and ``B x AL / speculative step`` (AL = acceptance length, tokens per
   target forward).
 
+Packed experts (``experts="packed"``, GPT-OSS's MXFP4 checkpoints held as they are stored,
+:class:`peagle_jax.models.config.MoEConfig`): every expert matrix counts 4.25 bits per weight (a 4-bit FP4
+code, plus one 8-bit E8M0 scale per block of 32 weights: :data:`PACKED_BYTES_PER_WEIGHT`) in memory and in
+the bytes a step reads; biases, routers and the rest stay in the run dtype. The bound assumes each product
+reads the packed bytes (the unpacking fused into it); memory adds one layer's experts unpacked in the run
+dtype, split over ``tp`` (:attr:`ModelCost.unpack_bytes`: the scratch of a call that unpacks every expert
+of a layer, as the dense dispatch does).
+
 Collectives (TP all-reduces), kernel launches and host work are ignored: these are bounds, not
 predictions. Devices are what jax-neuronx exposes: NeuronCores (trn1 / inf2: 2 per chip) or logical
 NeuronCores (trn2 at its default LNC=2: 4 per chip); a device gets its chip's bandwidth, compute and HBM
@@ -48,6 +56,9 @@ class Instance:
 
 
 GIB = 1024**3
+# MXFP4: a 4-bit FP4 (E2M1) code per weight plus one 8-bit E8M0 scale per block of 32 weights = 4.25 bits.
+PACKED_BYTES_PER_WEIGHT = (4 + 8 / 32) / 8
+EXPERT_FORMATS = ("auto", "packed", "unpacked")
 # Per-chip numbers from the AWS Neuron architecture pages:
 # - Inferentia2: 2 NeuronCore-v2, 190 BF16 TFLOPS, 32 GiB HBM at 820 GiB/s
 #   https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-hardware/inferentia2.html
@@ -84,6 +95,8 @@ class ModelCost:
     num_experts: int = 0
     top_k: int = 0
     num_params: int = 0  # all parameters
+    unpack_bytes: int = 0  # packed experts: one layer's experts in the run dtype (scratch, split over TP)
+    experts: str = "unpacked"  # how the expert matrices are counted: "unpacked" (run dtype) or "packed" (MXFP4)
 
     def experts_read(self, tokens: int) -> float:
         """The expected number of distinct experts a layer reads for ``tokens`` tokens, each routed to
@@ -117,10 +130,13 @@ class ModelCost:
         return split / tp + (total - split)
 
 
-def model_cost(cfg, params=None, expert_split: str = "auto", tp: int = 1) -> ModelCost:
+def model_cost(cfg, params=None, expert_split: str = "auto", tp: int = 1, experts: str = "unpacked") -> ModelCost:
     """Bytes and matmul parameters of a target config, from ``jax.eval_shape`` of its init; which parameters
     TP splits is what :func:`peagle_jax.sharding.param_shardings` places at ``tp`` (the experts as
-    ``expert_split`` resolves there)."""
+    ``expert_split`` resolves there). ``experts="packed"`` counts the expert matrices as MXFP4 (see the module
+    doc; :func:`check_packed` says where that is possible)."""
+    if experts == "packed":
+        check_packed(cfg)
     from peagle_jax.models import model
     from peagle_jax.neuron.graphs import abstract_mesh
     from peagle_jax.sharding import param_shardings, target_dispatch
@@ -130,8 +146,40 @@ def model_cost(cfg, params=None, expert_split: str = "auto", tp: int = 1) -> Mod
     shardings = param_shardings(params, abstract_mesh(tp), expert_split, target_dispatch(cfg))
     split = [s.spec != PartitionSpec() for s in jax.tree.leaves(shardings)]
     return _cost(
-        params, cfg.tie_word_embeddings, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.jnp_dtype, split, cfg.moe
+        params,
+        cfg.tie_word_embeddings,
+        cfg.num_layers,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.jnp_dtype,
+        split,
+        cfg.moe,
+        packed=experts == "packed",
     )
+
+
+def check_packed(cfg) -> None:
+    """Refuse packed experts where the project keeps them unpacked: outside GPT-OSS (the MXFP4 checkpoints),
+    or widths that are not whole blocks of 32."""
+    if cfg.moe is None or cfg.family != "gpt_oss":
+        raise UserError(f"--experts packed: only GPT-OSS's MXFP4 experts are held packed, not {cfg.family}'s")
+    for what, width in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.moe.intermediate_size)):
+        if width % 32:
+            raise UserError(f"--experts packed: MXFP4 blocks of 32 need {what} a multiple of 32, got {width}")
+
+
+def checkpoint_experts(model: str) -> str:
+    """``"packed"`` where ``--model``'s config.json (a file, or a directory's) says its experts are MXFP4
+    (``quantization_config.quant_method == "mxfp4"``, GPT-OSS on the hub), else ``"unpacked"``."""
+    import json
+
+    path = Path(model)
+    path = path if path.suffix == ".json" else path / "config.json"
+    try:
+        quant = json.loads(path.read_text()).get("quantization_config") or {}
+    except (OSError, ValueError, AttributeError):
+        return "unpacked"  # smollm2, or a config the target loader reports on
+    return "packed" if isinstance(quant, dict) and quant.get("quant_method") == "mxfp4" else "unpacked"
 
 
 def drafter_cost(dcfg, params=None) -> ModelCost:
@@ -144,18 +192,32 @@ def drafter_cost(dcfg, params=None) -> ModelCost:
     return _cost(params, False, lc.num_layers, lc.num_kv_heads, lc.head_dim, lc.jnp_dtype, None, None)
 
 
-def _cost(params, tied, L, G, H, dtype, split, moe) -> ModelCost:
-    """``split``: per leaf, whether TP splits it (None: nothing is split)."""
-    count = weight = param = split_w = split_p = matmul = split_m = expert_b = expert_p = 0
+def _cost(params, tied, L, G, H, dtype, split, moe, packed: bool = False) -> ModelCost:
+    """``split``: per leaf, whether TP splits it (None: nothing is split). ``packed``: the expert matrices
+    (``gate_up_proj``, ``down_proj``) count :data:`PACKED_BYTES_PER_WEIGHT` bytes per weight; a tree that
+    holds them packed already (uint8 ``*_blocks``, two weights a byte, and ``*_scales``) counts its bytes
+    as they are, and its weights from the blocks."""
+    count = weight = param = split_w = split_p = matmul = split_m = expert_b = expert_p = unpack = 0
+    itemsize = jax.numpy.dtype(dtype).itemsize
     leaves = jax.tree_util.tree_leaves_with_path(params)
     for (path, x), is_split in zip(leaves, split or [False] * len(leaves), strict=True):
         key = jax.tree_util.keystr(path)
-        nbytes = x.size * x.dtype.itemsize
         name = str(getattr(path[-1], "key", path[-1]))
-        is_matrix = x.ndim >= 2 and not name.endswith("bias") and x.dtype != jax.numpy.bool_
+        in_experts = "experts" in key
+        weights = x.size
+        if in_experts and name.endswith(("_blocks", "_scales")):  # a packed tree: uint8 codes and scales
+            weights = 2 * x.size if name.endswith("_blocks") else 0
+            name = name.rsplit("_", 1)[0] if name.endswith("_blocks") else name
+        nbytes = x.size * x.dtype.itemsize
+        expert_matrix = in_experts and name in ("gate_up_proj", "down_proj")
+        if expert_matrix and packed and x.dtype != jax.numpy.uint8:
+            nbytes = round(x.size * PACKED_BYTES_PER_WEIGHT)
+        if expert_matrix and (packed or x.dtype == jax.numpy.uint8):
+            unpack += weights * itemsize
+        is_matrix = weights and x.ndim >= 2 and not name.endswith("bias") and x.dtype != jax.numpy.bool_
         gathered = "embed_tokens" in key and not tied  # an untied input embedding: a few rows gathered
-        is_expert = "experts" in key and is_split
-        count += x.size
+        is_expert = in_experts and is_split
+        count += weights
         param += nbytes
         split_p += nbytes if is_split else 0
         if gathered:
@@ -164,10 +226,10 @@ def _cost(params, tied, L, G, H, dtype, split, moe) -> ModelCost:
         split_w += nbytes if is_split else 0
         expert_b += nbytes if is_expert else 0
         if is_matrix:
-            matmul += x.size
-            split_m += x.size if is_split else 0
-            expert_p += x.size if is_expert and name in ("gate_up_proj", "down_proj") else 0
-    itemsize = jax.numpy.dtype(dtype).itemsize
+            matmul += weights
+            split_m += weights if is_split else 0
+            expert_p += weights if is_expert and expert_matrix else 0
+    sparse = len(moe.sparse_layers) if moe is not None else 0
     return ModelCost(
         weight_bytes=int(weight),
         matmul_params=int(matmul),
@@ -181,27 +243,31 @@ def _cost(params, tied, L, G, H, dtype, split, moe) -> ModelCost:
         num_experts=moe.num_experts if moe is not None else 0,
         top_k=moe.top_k if moe is not None else 0,
         num_params=int(count),
+        unpack_bytes=int(unpack // sparse) if sparse else 0,
+        experts="packed" if unpack else "unpacked",
     )
 
 
 @dataclasses.dataclass(frozen=True)
 class Memory:
     """Bytes one device holds: the target's weights (its TP share), its KV cache (split on the kv heads),
-    and the replicated drafter with its own KV cache."""
+    the replicated drafter with its own KV cache, and for packed experts the unpacking scratch."""
 
     target: float
     kv_cache: float
     drafter: float
     capacity: float  # one device's share of its chip's HBM
+    unpack: float = 0.0  # packed experts: one layer's experts unpacked (ModelCost.unpack_bytes / tp)
 
     @property
     def total(self) -> float:
-        return self.target + self.kv_cache + self.drafter
+        return self.target + self.kv_cache + self.drafter + self.unpack
 
     def __str__(self) -> str:
+        unpack = f" + unpacking {self.unpack / GIB:.2f}" if self.unpack else ""
         return (
             f"{self.total / GIB:.1f} GiB per device (target weights {self.target / GIB:.1f} + KV cache "
-            f"{self.kv_cache / GIB:.2f} + drafter {self.drafter / GIB:.2f}) of {self.capacity / GIB:.0f} GiB"
+            f"{self.kv_cache / GIB:.2f} + drafter {self.drafter / GIB:.2f}{unpack}) of {self.capacity / GIB:.0f} GiB"
         )
 
 
@@ -212,6 +278,7 @@ def memory(target: ModelCost, drafter: ModelCost, instance: Instance, *, tp: int
         target.kv_bytes_per_token * tokens / tp,
         drafter.memory_per_device(1) + drafter.kv_bytes_per_token * tokens,
         instance.hbm_gib * GIB / instance.devices_per_chip,
+        target.unpack_bytes / tp,
     )
 
 
@@ -322,6 +389,18 @@ def add_plan_parser(sub) -> None:
         help="how TP splits a mixture of experts (peagle_jax.sharding; default auto); memory differs only in "
         "which biases are replicated",
     )
+    add_experts_flag(p)
+
+
+def add_experts_flag(p) -> None:
+    p.add_argument(
+        "--experts",
+        choices=EXPERT_FORMATS,
+        default="auto",
+        help="how a mixture of experts holds its expert matrices: packed MXFP4 (4.25 bits per weight, GPT-OSS), "
+        "unpacked in --dtype, or auto (default): packed where the config's checkpoint has MXFP4 experts "
+        "(quantization_config mxfp4: GPT-OSS)",
+    )
 
 
 def _tps(cfg, devices: int, expert_split: str) -> tuple[list[int], str | None]:
@@ -352,6 +431,9 @@ def run_plan(args) -> int:
     if args.drafter is not None and not Path(args.drafter).is_dir():
         raise UserError(f"--drafter {args.drafter}: no such directory")
     cfg, dcfg, note = configs(args.model, args.drafter, args.dtype)
+    experts = checkpoint_experts(args.model) if args.experts == "auto" else args.experts
+    if experts == "packed":
+        check_packed(cfg)
     if args.tp is not None:
         check_target_tp(args.tp, cfg, args.expert_split)
     instances = [args.instance] if args.instance else sorted(INSTANCES)
@@ -360,11 +442,11 @@ def run_plan(args) -> int:
     from peagle_jax.models import model
 
     params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
-    t1 = model_cost(cfg, params, args.expert_split, args.tp or 1)
+    t1 = model_cost(cfg, params, args.expert_split, args.tp or 1, experts)
     active = f", {t1.active_params / 1e9:.2f} B active per token" if t1.num_experts else ""
     print(
         f"target: {args.model} ({cfg.family}, {cfg.num_layers} layers), {t1.param_bytes / 1e9:.2f} GB of "
-        f"{cfg.dtype} parameters ({t1.num_params / 1e9:.2f} B{active})"
+        f"{cfg.dtype}{' and MXFP4' if experts == 'packed' else ''} parameters ({t1.num_params / 1e9:.2f} B{active})"
     )
     if t1.num_experts:
         print(
@@ -372,6 +454,15 @@ def run_plan(args) -> int:
             f"layer (batch {args.batch}: {t1.experts_read(args.batch):.1f} for a plain step, "
             f"{t1.experts_read(args.batch * (args.k + 1)):.1f} for a verify of K+1 = {args.k + 1}); memory holds all"
         )
+        unpacked = model_cost(cfg, params, args.expert_split, args.tp or 1) if experts == "packed" else t1
+        held = (
+            f"packed MXFP4, 4.25 bits per weight: {t1.param_bytes / 1e9:.2f} GB of parameters instead of "
+            f"{unpacked.param_bytes / 1e9:.2f} GB unpacked, plus {t1.unpack_bytes / 1e9:.2f} GB (one layer's "
+            "experts unpacked, over TP) of scratch"
+            if experts == "packed"
+            else f"unpacked, in {cfg.dtype}"
+        )
+        print(f"expert matrices: {held} (--experts {args.experts})")
     print(f"{note}: {drafter.param_bytes / 1e9:.2f} GB (replicated)")
     print(
         f"K = {args.k}, acceptance length {args.acceptance_length}, batch {args.batch}, {args.context} tokens of "
@@ -391,7 +482,7 @@ def run_plan(args) -> int:
         devices = inst.chips * inst.devices_per_chip
         for tp in [args.tp] if args.tp is not None else _tps(cfg, devices, args.expert_split)[0]:
             try:
-                target = model_cost(cfg, params, args.expert_split, tp)
+                target = model_cost(cfg, params, args.expert_split, tp, experts)
                 r = plan(
                     target,
                     drafter,
