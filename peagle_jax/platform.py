@@ -14,14 +14,24 @@ Caches, so that a restart does not recompile (minutes per graph under neuronx-cc
   (:mod:`peagle_jax.executables`): a restart loads them without tracing or lowering a graph.
 - The Neuron compiler's own cache: ``NEURON_COMPILE_CACHE_URL`` (read by libneuronxla), default
   ``~/.cache/peagle_jax/neuron-cache``, set only when the environment does not set it already; an existing
-  ``NEURON_CC_FLAGS`` is left as it is, otherwise it gets ``--cache_dir`` pointing at the same directory.
+  ``NEURON_CC_FLAGS`` is kept, otherwise it gets ``--cache_dir`` pointing at the same directory.
+
+Precision on Neuron (:func:`neuron_cc_flags`): a float32 run adds ``--auto-cast=none`` to
+``NEURON_CC_FLAGS`` (unless the flags name an ``--auto-cast`` already), so that neuronx-cc keeps its
+float32 products in float32. The compiler's default was ``--auto-cast matmult`` with ``--auto-cast-type
+bf16`` (every float32 matrix product cast to bfloat16) until the Neuron 2.27.0 release (12/2025), and is
+``none`` since; the flag keeps the pinned compiler's behaviour on older ones too. Speculative decoding
+emits exactly plain decoding's tokens only where the verify's products are as exact as a decode step's
+(float32 products cast down, as TF32 did on an H200, broke it). bfloat16 runs keep the compiler's default.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import os
+import re
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -80,8 +90,30 @@ def _has_module(name: str) -> bool:
         return False
 
 
-def configure_caches(compilation_cache: str | Path | None, platform: str) -> None:
-    """JAX's persistent compilation cache (None disables it) and, on Neuron, the compiler's cache."""
+# neuronx-cc flags that keep float32 products in float32 (see the module doc).
+NEURON_FLOAT32_FLAGS = ("--auto-cast=none",)
+_AUTO_CAST = re.compile(r"(^|\s)--auto-cast(=|\s|$)")
+
+
+def neuron_cc_flags(flags: str | None, cache_dir: str, dtype: str | None) -> str:
+    """``NEURON_CC_FLAGS`` for a run in ``dtype``: the given ``flags`` (None: ``--cache_dir=cache_dir``), plus
+    :data:`NEURON_FLOAT32_FLAGS` for float32 where they name no ``--auto-cast`` (the user's choice is kept)."""
+    out = f"--cache_dir={cache_dir}" if flags is None else flags
+    if dtype == "float32" and not _AUTO_CAST.search(out):
+        out = " ".join([out, *NEURON_FLOAT32_FLAGS]).strip()
+    return out
+
+
+def neuronx_cc_precision_args(dtype: str) -> list[str]:
+    """The ``neuronx-cc compile`` arguments for graphs in ``dtype``: ``--auto-cast none`` for float32, none
+    for bfloat16 (the compiler's default)."""
+    return ["--auto-cast", "none"] if dtype == "float32" else []
+
+
+def configure_caches(compilation_cache: str | Path | None, platform: str, dtype: str | None = None) -> None:
+    """JAX's persistent compilation cache (None disables it) and, on Neuron, the compiler's cache and the
+    flags that keep a float32 run's products in float32 (:func:`neuron_cc_flags`; ``dtype`` None: no
+    precision flag)."""
     import jax
 
     from peagle_jax import executables
@@ -97,8 +129,14 @@ def configure_caches(compilation_cache: str | Path | None, platform: str) -> Non
     executables.configure(None if compilation_cache is None else path / EXECUTABLES)
     if platform == "neuron":
         neuron_cache = os.environ.setdefault("NEURON_COMPILE_CACHE_URL", str(default_neuron_cache_dir()))
-        if "NEURON_CC_FLAGS" not in os.environ:
-            os.environ["NEURON_CC_FLAGS"] = f"--cache_dir={neuron_cache}"
+        flags = os.environ.get("NEURON_CC_FLAGS")
+        os.environ["NEURON_CC_FLAGS"] = neuron_cc_flags(flags, neuron_cache, dtype)
+        if dtype == "float32" and flags is not None and _AUTO_CAST.search(flags):
+            logging.getLogger(__name__).warning(
+                "NEURON_CC_FLAGS sets --auto-cast (%s); a float32 run needs --auto-cast=none for its products "
+                "to stay float32 (speculative and plain decoding may otherwise differ)",
+                flags,
+            )
 
 
 _CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": "hits", "/jax/compilation_cache/cache_misses": "misses"}
@@ -143,8 +181,9 @@ def artifact_cache(model_dir: str | Path) -> Path | None:
     return copy
 
 
-def select_platform(platform: str, *, compilation_cache: str | Path | None = None):
-    """Make ``platform`` JAX's only backend, configure the caches, and return its devices.
+def select_platform(platform: str, *, compilation_cache: str | Path | None = None, dtype: str | None = None):
+    """Make ``platform`` JAX's only backend, configure the caches (and on Neuron the compiler flags of a
+    ``dtype`` run, :func:`configure_caches`), and return its devices.
 
     Raises UserError (one line) for an unknown platform, a missing plugin (saying what to install) or a
     backend that finds no device.
@@ -156,7 +195,7 @@ def select_platform(platform: str, *, compilation_cache: str | Path | None = Non
     import jax
 
     jax.config.update("jax_platforms", JAX_NAME[platform])
-    configure_caches(compilation_cache, platform)
+    configure_caches(compilation_cache, platform, dtype)
     count_cache_lookups()
     try:
         devices = jax.devices()

@@ -95,6 +95,20 @@ def test_tiny_model_every_graph_exports_clean_for_neuron_and_tpu(tmp_path):
     assert "stablehlo.sort" not in mlir.split("func.func private @chlo.top_k.impl")[0]
 
 
+def test_compile_commands_keep_float32_products_in_float32():
+    """neuronx-cc casts float32 matrix products to bf16 under --auto-cast matmult (its default before Neuron
+    2.27): float32 graphs ask for none, bf16 graphs keep the compiler's default."""
+    from peagle_jax.neuron.export import neuronx_cc_command
+
+    fp32 = neuronx_cc_command("g.hlo.pb", "trn1", "float32")
+    assert fp32 == (
+        "neuronx-cc compile --framework XLA g.hlo.pb --target trn1 --model-type transformer --auto-cast none "
+        "--output g.trn1.neff"
+    )
+    assert "--auto-cast" not in neuronx_cc_command("g.hlo.pb", "trn1", "bfloat16")
+    assert neuronx_cc_command("g.hlo.pb", "trn2") == neuronx_cc_command("g.hlo.pb", "trn2", "bfloat16")
+
+
 @pytest.mark.slow
 def test_smollm2_shapes_every_graph_exports_clean():
     """The full-size vocabulary (49152) is where sort, top-k and argmax would trip the lint."""
@@ -201,6 +215,12 @@ def test_cli_exports_a_tiny_hf_model_and_fails_on_findings(tmp_path, save_hf, mo
     out = capsys.readouterr().out
     assert "randomly initialised" in out and "lint: clean" in out
     assert (tmp_path / "out" / "tpu" / "fused_mask_hidden.mlir").is_file()
+    compiles = [
+        c
+        for c in (tmp_path / "out" / "neuron" / "compile.sh").read_text().splitlines()
+        if c.startswith("neuronx-cc compile")
+    ]
+    assert compiles and all("--auto-cast none" in c for c in compiles)  # float32 buckets: no cast to bf16
     # neuron/compile.sh runs the written commands for one target, here with a stand-in neuronx-cc that
     # writes the file named after --output.
     bin_dir = tmp_path / "bin"

@@ -64,6 +64,41 @@ def test_neuron_compile_cache_environment(tmp_path, monkeypatch):
     assert os.environ["NEURON_CC_FLAGS"] == "--model-type transformer"
 
 
+def test_float32_runs_keep_float32_products_on_neuron():
+    """--auto-cast=none for float32 (neuronx-cc's default before Neuron 2.27 cast float32 matrix products to
+    bf16); bfloat16 and an unknown dtype keep the compiler's default; a user's --auto-cast is kept."""
+    from peagle_jax.platform import neuron_cc_flags
+
+    assert neuron_cc_flags(None, "/c", "float32") == "--cache_dir=/c --auto-cast=none"
+    assert neuron_cc_flags(None, "/c", "bfloat16") == "--cache_dir=/c"
+    assert neuron_cc_flags(None, "/c", None) == "--cache_dir=/c"
+    assert neuron_cc_flags("--model-type transformer", "/c", "float32") == "--model-type transformer --auto-cast=none"
+    assert neuron_cc_flags("", "/c", "float32") == "--auto-cast=none"
+    for own in ("--auto-cast=matmult", "-O1 --auto-cast all", "--auto-cast none --auto-cast-type fp16"):
+        assert neuron_cc_flags(own, "/c", "float32") == own
+    assert neuron_cc_flags("--auto-cast-type tf32", "/c", "float32") == "--auto-cast-type tf32 --auto-cast=none"
+
+
+def test_configure_caches_sets_the_precision_flags(tmp_path, monkeypatch, caplog):
+    from peagle_jax.platform import configure_caches
+
+    monkeypatch.setenv("PEAGLE_JAX_CACHE", str(tmp_path))
+    monkeypatch.delenv("NEURON_COMPILE_CACHE_URL", raising=False)
+    monkeypatch.delenv("NEURON_CC_FLAGS", raising=False)
+    configure_caches(None, "neuron", "float32")
+    assert os.environ["NEURON_CC_FLAGS"] == f"--cache_dir={tmp_path / 'neuron-cache'} --auto-cast=none"
+    monkeypatch.delenv("NEURON_CC_FLAGS")
+    configure_caches(None, "neuron", "bfloat16")
+    assert os.environ["NEURON_CC_FLAGS"] == f"--cache_dir={tmp_path / 'neuron-cache'}"
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--auto-cast=matmult")
+    configure_caches(None, "neuron", "float32")
+    assert os.environ["NEURON_CC_FLAGS"] == "--auto-cast=matmult"
+    assert "needs --auto-cast=none" in caplog.text
+    monkeypatch.delenv("NEURON_CC_FLAGS")
+    configure_caches(None, "cpu", "float32")
+    assert "NEURON_CC_FLAGS" not in os.environ
+
+
 def test_unknown_platform():
     from peagle_jax.errors import UserError
     from peagle_jax.platform import select_platform

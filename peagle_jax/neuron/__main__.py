@@ -101,7 +101,9 @@ def run_export(args) -> int:
     out = Path(args.out)
     staging = _staging_dir(out)
     try:
-        findings = export_all(graphs, staging, platforms, write=not args.no_write, progress=lambda _: bar.update())
+        findings = export_all(
+            graphs, staging, platforms, write=not args.no_write, progress=lambda _: bar.update(), dtype=buckets.dtype
+        )
         _publish(staging, out)
     except ValueError as err:
         raise UserError(f"export failed: {err}") from None

@@ -32,7 +32,7 @@ from jax import export
 from peagle_jax import executables
 from peagle_jax.neuron.graphs import Graph
 from peagle_jax.neuron.lint import Finding, lint_stablehlo
-from peagle_jax.platform import static_graphs
+from peagle_jax.platform import neuronx_cc_precision_args, static_graphs
 
 PLATFORMS = ("neuron", "tpu")
 NEURON_TARGETS = ("trn1", "inf2", "trn2")
@@ -81,8 +81,9 @@ def hlo_proto(mlir_text: str) -> bytes:
     return computation.as_serialized_hlo_module_proto()
 
 
-def neuronx_cc_command(hlo_path: str, target: str) -> str:
-    """The ``neuronx-cc`` command compiling one exported HLO proto into a NEFF for ``target``."""
+def neuronx_cc_command(hlo_path: str, target: str, dtype: str = "bfloat16") -> str:
+    """The ``neuronx-cc`` command compiling one exported HLO proto into a NEFF for ``target``; float32 graphs
+    keep their products in float32 (:func:`peagle_jax.platform.neuronx_cc_precision_args`)."""
     neff = hlo_path.removesuffix(".hlo.pb") + f".{target}.neff"
     args = [
         "neuronx-cc",
@@ -94,6 +95,7 @@ def neuronx_cc_command(hlo_path: str, target: str) -> str:
         target,
         "--model-type",
         "transformer",
+        *neuronx_cc_precision_args(dtype),
         "--output",
         neff,
     ]
@@ -107,10 +109,11 @@ def _describe(x) -> str:
 
 
 def export_all(
-    graphs: list[Graph], out: Path, platforms=PLATFORMS, *, write: bool = True, progress=None
+    graphs: list[Graph], out: Path, platforms=PLATFORMS, *, write: bool = True, progress=None, dtype="bfloat16"
 ) -> dict[str, dict[str, list[Finding]]]:
     """Export, lint and (with ``write``) write every graph; returns findings per graph per platform (empty
-    when clean). ``out`` may be None when nothing is written."""
+    when clean). ``out`` may be None when nothing is written. ``dtype``, the graphs' run dtype, chooses the
+    compile commands' precision flags."""
     out = Path(out) if out is not None else None
     findings: dict[str, dict[str, list[Finding]]] = {}
     manifest = []
@@ -141,7 +144,7 @@ def export_all(
                     (d / f"{graph.name}.exported").write_bytes(exported.serialize())
                     (d / f"{graph.name}.hlo.pb").write_bytes(hlo_proto(text))
                     if platform == "neuron":
-                        commands += [neuronx_cc_command(f"{graph.name}.hlo.pb", t) for t in NEURON_TARGETS]
+                        commands += [neuronx_cc_command(f"{graph.name}.hlo.pb", t, dtype) for t in NEURON_TARGETS]
             manifest.append(entry)
             if progress is not None:
                 progress(graph.name)
