@@ -30,7 +30,17 @@ from peagle_jax.drafter.config import EAGLE_ARCHITECTURE, MASK_TOKEN_KEYS
 from peagle_jax.errors import UserError
 from peagle_jax.models.config import ARCHITECTURES, DTYPES, FAMILIES, ConfigError, ModelConfig
 from peagle_jax.models.hf_config import from_hf_config
-from peagle_jax.models.weights import check_params, expected_shapes, flatten, load_target
+from peagle_jax.models.weights import (
+    check_params,
+    expected_shapes,
+    flatten,
+    load_target,
+    resolve_experts,
+    stored_experts,
+    stores_mxfp4,
+    unpacked_experts,
+    with_experts,
+)
 
 FORMAT, VERSION = "peagle_jax", 1
 META_FILE, PARAMS_DIR = "peagle_config.json", "params"
@@ -140,15 +150,36 @@ def cast_floats(params: dict, dtype: str) -> dict:
     return jax.tree.map(cast, params)
 
 
-def load_target_any(path: str | Path, *, dtype: str = "float32", aux_layer_ids=None) -> tuple[ModelConfig, dict]:
+def stores_mxfp4_experts(path: str | Path) -> bool:
+    """Whether a target directory (Hugging Face or converted JAX) stores MXFP4 experts, from its headers or
+    ``peagle_config.json`` alone (a directory without weights: False; they are refused when loaded)."""
+    from peagle_jax.models.tensors import WeightsError, open_safetensors
+
+    if is_jax_checkpoint(path):
+        return stores_mxfp4(read_meta(path).tensors)
+    try:
+        return stores_mxfp4(open_safetensors(path))
+    except WeightsError:
+        return False
+
+
+def load_target_any(
+    path: str | Path, *, dtype: str = "float32", aux_layer_ids=None, experts: str = "auto"
+) -> tuple[ModelConfig, dict]:
     """(cfg, params) of a target: a Hugging Face directory (:func:`peagle_jax.models.weights.load_target`) or a
-    converted JAX directory, params cast to ``dtype`` and placed on the default device."""
+    converted JAX directory, params cast to ``dtype`` and placed on the default device. ``experts``: packed
+    or unpacked MXFP4 experts (:func:`peagle_jax.models.weights.resolve_experts`); a JAX checkpoint saved
+    packed is unpacked on the host when asked to."""
     if not is_jax_checkpoint(path):
-        return load_target(path, dtype=dtype, aux_layer_ids=aux_layer_ids)
+        return load_target(path, dtype=dtype, aux_layer_ids=aux_layer_ids, experts=experts)
     meta = read_meta(path)
     if meta.kind != "target":
         raise CheckpointError(f"{path} holds a {meta.kind}, not a target model")
     cfg = from_hf_config(meta.config, dtype=dtype, aux_layer_ids=aux_layer_ids)
     params = restore_params(path)
-    check_params(flatten(params), expected_shapes(cfg), f"{cfg.family} model")
+    stored = stored_experts(params)
+    check_params(flatten(params), expected_shapes(with_experts(cfg, stored)), f"{cfg.family} model")
+    cfg = resolve_experts(cfg, experts, mxfp4_stored=stored == "packed", where=str(path))
+    if stored == "packed" and cfg.moe.experts == "unpacked":
+        params = unpacked_experts(params, dtype)
     return cfg, cast_floats(params, dtype)

@@ -1,17 +1,20 @@
 """``python -m peagle_jax.convert``: PyTorch checkpoints <-> JAX checkpoints, for drafters and targets.
 
-    to-jax SRC DST [--force]
+    to-jax SRC DST [--experts auto|packed|unpacked] [--force]
         SRC: a speculators drafter (peagle / eagle3), an EAGLE / AWS-layout drafter, or a Hugging Face
-        Llama / Qwen2 / Qwen3 model directory. DST: a JAX checkpoint (see :mod:`peagle_jax.checkpoint`).
+        Llama / Qwen2 / Qwen3 / GPT-OSS / Qwen3-MoE model directory. DST: a JAX checkpoint (see
+        :mod:`peagle_jax.checkpoint`).
     to-torch SRC DST [--layout speculators|eagle] [--max-shard-size 2GB] [--dtype bfloat16]
-                     [--verifier NAME] [--force]
+                     [--verifier NAME] [--experts auto|packed|unpacked] [--force]
         SRC: a JAX checkpoint, or a PyTorch directory (to change a drafter's layout, dtype or sharding).
         DST: config.json plus model.safetensors, or shards and model.safetensors.index.json.
         --dtype casts every floating tensor (how the shipped drafters are stored in bf16); --verifier
         names the target a speculators drafter was trained for (what vLLM's --model should be).
 
 PyTorch -> JAX -> PyTorch reproduces every tensor bit for bit (names, shapes, dtypes, values) and, when the
-layout is unchanged, the config.json itself. A layout change rewrites the config from the parsed
+layout is unchanged, the config.json itself. GPT-OSS's MXFP4 experts stay packed by default (``--experts
+auto``): the uint8 blocks and scales, written back byte for byte; ``--experts unpacked`` dequantizes them to
+bfloat16, as transformers does, and writes them unquantized. A layout change rewrites the config from the parsed
 :class:`DrafterConfig` (the EAGLE layout has no verifier entry, so that is lost on the way through it).
 """
 
@@ -37,6 +40,7 @@ from peagle_jax.checkpoint import (
 )
 from peagle_jax.errors import ArgumentParser, UserError, check_output_dir, report
 from peagle_jax.models.hf_config import read_config_json
+from peagle_jax.models.weights import EXPERT_CHOICES
 
 LAYOUT_CHOICES = ("speculators", "eagle")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -45,27 +49,59 @@ SIDE_SUFFIXES = {".json", ".txt", ".model", ".jinja", ".tiktoken"}
 OWN_FILES = {"config.json", META_FILE, "model.safetensors.index.json"}
 
 
-def read_source(src: str | Path) -> tuple[CheckpointMeta, dict]:
-    """(meta, params) of a JAX checkpoint, or of a PyTorch directory as :func:`to_jax` would save it."""
+def read_source(src: str | Path, experts: str = "auto") -> tuple[CheckpointMeta, dict]:
+    """(meta, params) of a JAX checkpoint, or of a PyTorch directory as :func:`to_jax` would save it; a
+    target's MXFP4 experts packed or unpacked (to bfloat16) as ``experts`` says
+    (:func:`peagle_jax.models.weights.resolve_experts`)."""
     from peagle_jax.drafter.load import read_torch_drafter
     from peagle_jax.drafter.weights import IGNORED, drafter_params_from_tensors
     from peagle_jax.models.hf_config import from_hf_config
     from peagle_jax.models.tensors import dequantized, open_safetensors
-    from peagle_jax.models.weights import SKIPPED, params_from_hf
+    from peagle_jax.models.weights import SKIPPED, params_from_hf, resolve_experts, stores_mxfp4
 
     src = Path(src)
     if is_jax_checkpoint(src):
-        return load_checkpoint(src)
+        meta, params = load_checkpoint(src)
+        return _experts_as(meta, params, experts, src)
     if detect_kind(read_config_json(src)) == "drafter":
+        _drafter_experts(experts)
         cfg, layout, config, tensors = read_torch_drafter(src)
         params = drafter_params_from_tensors(tensors, cfg, layout)
         dtypes = {name: str(t.dtype) for name, t in tensors.items() if not IGNORED.match(name)}
         return CheckpointMeta("drafter", layout, config, dtypes, own_embedding=cfg.own_embedding), params
     config = read_config_json(src)
-    tensors = dequantized(open_safetensors(src), "bfloat16")  # MXFP4 experts are written back unquantized
-    params = params_from_hf(tensors, from_hf_config(config), keep_dtype=True)
+    tensors = open_safetensors(src)
+    cfg = resolve_experts(from_hf_config(config), experts, mxfp4_stored=stores_mxfp4(tensors), where=str(src))
+    if cfg.moe is None or cfg.moe.experts == "unpacked":
+        tensors = dequantized(tensors, "bfloat16")  # MXFP4 experts are written back unquantized
+    params = params_from_hf(tensors, cfg, keep_dtype=True)
     dtypes = {name: str(tensors.dtype(name)) for name in tensors if not SKIPPED.match(name)}
     return CheckpointMeta("target", "hf", config, dtypes), params
+
+
+def _drafter_experts(experts: str) -> None:
+    if experts != "auto":
+        raise UserError(f"--experts {experts} applies to target models; this is a drafter")
+
+
+def _experts_as(meta: CheckpointMeta, params: dict, experts: str, src: Path) -> tuple[CheckpointMeta, dict]:
+    """A JAX checkpoint's (meta, params) with its experts as ``experts`` asks: packed ones unpacked to
+    bfloat16 (their names in ``meta.tensors`` then the unquantized ones) where it says ``unpacked``."""
+    from peagle_jax.models import mxfp4
+    from peagle_jax.models.hf_config import from_hf_config
+    from peagle_jax.models.weights import resolve_experts, stored_experts, unpacked_experts
+
+    if meta.kind != "target":
+        _drafter_experts(experts)
+        return meta, params
+    stored = stored_experts(params)
+    cfg = resolve_experts(from_hf_config(meta.config), experts, mxfp4_stored=stored == "packed", where=str(src))
+    if stored == "packed" and cfg.moe.experts == "unpacked":
+        params = unpacked_experts(params, "bfloat16")
+        pairs = mxfp4.mxfp4_pairs(meta.tensors)
+        tensors = {n: d for n, d in meta.tensors.items() if not mxfp4.is_mxfp4_name(n)}
+        meta = dataclasses.replace(meta, tensors={**tensors, **dict.fromkeys(pairs, "bfloat16")})
+    return meta, params
 
 
 def _main_dtype(dtypes: dict[str, str]) -> str:
@@ -90,12 +126,19 @@ def torch_tensors(meta: CheckpointMeta, params: dict, layout: str | None = None)
     from peagle_jax.drafter.config import drafter_config_from_dict
     from peagle_jax.drafter.weights import drafter_params_to_tensors, rename_for_layout
     from peagle_jax.models.hf_config import from_hf_config
-    from peagle_jax.models.weights import check_params, expected_shapes, flatten, params_to_hf
+    from peagle_jax.models.weights import (
+        check_params,
+        expected_shapes,
+        flatten,
+        params_to_hf,
+        stored_experts,
+        with_experts,
+    )
 
     if meta.kind == "target":
         if layout not in (None, "hf"):
             raise UserError(f"--layout {layout} applies to drafters; this is a target model")
-        cfg = from_hf_config(meta.config)
+        cfg = with_experts(from_hf_config(meta.config), stored_experts(params))
         check_params(flatten(params), expected_shapes(cfg), f"{cfg.family} model")
         tensors = params_to_hf(params, cfg, dtypes=meta.tensors)
         if cfg.tie_word_embeddings and "lm_head.weight" in meta.tensors:  # the source stored a copy; so do we
@@ -165,13 +208,14 @@ def _copy_side_files(src: Path, dst: Path) -> None:
             shutil.copy2(f, dst / f.name)
 
 
-def to_jax(src: str | Path, dst: str | Path, *, force: bool = False) -> CheckpointMeta:
-    """Convert the PyTorch directory ``src`` (drafter or target) into the JAX checkpoint ``dst``."""
+def to_jax(src: str | Path, dst: str | Path, *, experts: str = "auto", force: bool = False) -> CheckpointMeta:
+    """Convert the PyTorch directory ``src`` (drafter or target) into the JAX checkpoint ``dst`` (a target's
+    MXFP4 experts packed or unpacked as ``experts`` says)."""
     src, dst = Path(src), Path(dst)
     _check_paths(src, dst, force)
     if is_jax_checkpoint(src):
         raise UserError(f"{src} is already a JAX checkpoint ({META_FILE}); to-torch converts it back")
-    meta, params = read_source(src)
+    meta, params = read_source(src, experts)
     _clear(dst)
     save_checkpoint(dst, params, meta)
     _copy_side_files(src, dst)
@@ -186,13 +230,15 @@ def to_torch(
     max_shard_size: int | str | None = None,
     dtype: str | None = None,
     verifier: str | None = None,
+    experts: str = "auto",
     force: bool = False,
     progress: bool = False,
 ) -> list[Path]:
     """Write the JAX checkpoint (or PyTorch directory) ``src`` as a PyTorch directory ``dst``; returns the
     safetensors files written (several, plus an index, when they exceed ``max_shard_size``). ``dtype``
     casts the floating tensors (and declares it in config.json); ``verifier`` sets a speculators drafter's
-    ``speculators_config.verifier.name_or_path``."""
+    ``speculators_config.verifier.name_or_path``; ``experts``: a target's MXFP4 experts written back packed
+    (as read, byte for byte) or unpacked (bfloat16)."""
     from peagle_jax.models.weights import parse_size, write_safetensors
 
     src, dst = Path(src), Path(dst)
@@ -206,7 +252,7 @@ def to_torch(
         raise UserError(f"--max-shard-size: {err}") from None
     _check_paths(src, dst, force)
     _check_flags(src, layout, verifier)
-    meta, params = read_source(src)
+    meta, params = read_source(src, experts)
     if dtype is not None:
         cast = {name: dtype if d in FLOAT_DTYPES else d for name, d in meta.tensors.items()}
         meta = dataclasses.replace(meta, tensors=cast)
@@ -249,6 +295,14 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("src", help="source directory")
         s.add_argument("dst", help="destination directory (created; must be empty unless --force)")
         s.add_argument("--force", action="store_true", help="overwrite the checkpoint files in a non-empty DST")
+        s.add_argument(
+            "--experts",
+            choices=EXPERT_CHOICES,
+            default="auto",
+            help="a GPT-OSS target's MXFP4 experts: packed = the uint8 blocks and scales, kept byte for byte; "
+            "unpacked = dequantized to bfloat16 (as transformers does) and written unquantized; auto (default): "
+            "packed where the source stores them so",
+        )
     t.add_argument(
         "--layout",
         choices=LAYOUT_CHOICES,
@@ -277,7 +331,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "to-jax":
-            meta = to_jax(args.src, args.dst, force=args.force)
+            meta = to_jax(args.src, args.dst, experts=args.experts, force=args.force)
             what = f"{meta.kind} ({meta.layout} layout, {len(meta.tensors)} tensors)"
         else:
             files = to_torch(
@@ -287,6 +341,7 @@ def main(argv=None) -> int:
                 max_shard_size=args.max_shard_size,
                 dtype=args.dtype,
                 verifier=args.verifier,
+                experts=args.experts,
                 force=args.force,
                 progress=True,
             )

@@ -93,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
         "each decode step slices its selected experts locally, or experts where --tp does not divide the width "
         "(see peagle_jax.sharding)",
     )
+    p.add_argument(
+        "--experts",
+        choices=["auto", "packed", "unpacked"],
+        default="auto",
+        help="a GPT-OSS target's MXFP4 experts: packed = kept as the checkpoint's uint8 blocks and scales (4.25 "
+        "bits per weight; each step unpacks the experts it reads), unpacked = dequantized to --dtype at load; "
+        "auto (default): packed where the checkpoint stores its experts as MXFP4, else unpacked",
+    )
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument(
         "--drafter",
@@ -180,7 +188,7 @@ def run(args) -> dict:
     model_dir = resolve_model_dir(args.model)
     tokenizer = load_tokenizer(model_dir)
     prompt = encode_prompt(args, tokenizer)
-    check_prompt(prompt, args, target_config(str(model_dir), args.dtype).vocab_size)
+    check_prompt(prompt, args, target_config(str(model_dir), args.dtype, experts=args.experts).vocab_size)
     opts = GeneratorOptions(
         dtype=args.dtype,
         max_seq_len=args.max_seq_len,
@@ -191,6 +199,7 @@ def run(args) -> dict:
         fused=args.fused,
         adaptive=args.k_policy != "fixed",
         expert_split=args.expert_split,
+        experts=args.experts,
     )
     gen = build_generator(opts, model_dir, mesh)
     cfg = gen.cfg

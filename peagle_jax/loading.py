@@ -21,9 +21,10 @@ class GeneratorOptions:
     spec (:func:`peagle_jax.spec.tree.parse_tree`), or None for a chain of ``k`` (or of the drafter config's
     K); ``adaptive``: each step's length is chosen by measured throughput
     (:meth:`peagle_jax.spec.generator.SpeculativeGenerator.stream`); ``expert_split``: how a mesh splits a
-    mixture-of-experts target's experts (:func:`peagle_jax.sharding.expert_split`); ``window_buckets``: the
-    attention windows below the whole cache (None: the default buckets, see
-    :class:`peagle_jax.engine.generator.Generator`)."""
+    mixture-of-experts target's experts (:func:`peagle_jax.sharding.expert_split`); ``experts``: whether a
+    GPT-OSS target's MXFP4 experts stay packed (``auto``: where the checkpoint stores them so; see
+    :func:`peagle_jax.models.weights.resolve_experts`); ``window_buckets``: the attention windows below the
+    whole cache (None: the default buckets, see :class:`peagle_jax.engine.generator.Generator`)."""
 
     dtype: str = "float32"
     max_seq_len: int = 2048
@@ -34,6 +35,7 @@ class GeneratorOptions:
     fused: bool = False
     adaptive: bool = False
     expert_split: str = "auto"
+    experts: str = "auto"
     window_buckets: tuple[int, ...] | None = None
 
 
@@ -72,20 +74,24 @@ def load_tokenizer(model_dir: Path):
     return transformers().AutoTokenizer.from_pretrained(str(model_dir))
 
 
-def target_config(model: str, dtype: str, aux_layer_ids=None):
-    """The target's config only (no weights): Hugging Face or converted JAX directory, or ``smollm2``."""
-    from peagle_jax.checkpoint import is_jax_checkpoint, read_meta
+def target_config(model: str, dtype: str, aux_layer_ids=None, experts: str = "auto"):
+    """The target's config only (no weights): Hugging Face or converted JAX directory, or ``smollm2``; its
+    experts packed or unpacked as a load with ``experts`` holds them (from the weights' headers)."""
+    from peagle_jax.checkpoint import is_jax_checkpoint, read_meta, stores_mxfp4_experts
     from peagle_jax.models.hf_config import from_hf_config, read_config_json
+    from peagle_jax.models.weights import resolve_experts
 
     path = resolve_model_dir(model)
     config = read_meta(path).config if is_jax_checkpoint(path) else read_config_json(path)
-    return from_hf_config(config, dtype=dtype, aux_layer_ids=aux_layer_ids)
+    cfg = from_hf_config(config, dtype=dtype, aux_layer_ids=aux_layer_ids)
+    return resolve_experts(cfg, experts, mxfp4_stored=stores_mxfp4_experts(path), where=str(path))
 
 
-def configs(model: str, drafter: str | None, dtype: str):
+def configs(model: str, drafter: str | None, dtype: str, experts: str = "auto"):
     """(target config, drafter config, a line saying which drafter) for a model and drafter, without weights:
     the given drafter, else the shipped default of the model, else a random P-EAGLE drafter of the target's
-    shape (:func:`peagle_jax.drafter.config.random_drafter_config`; graph shapes do not depend on weights)."""
+    shape (:func:`peagle_jax.drafter.config.random_drafter_config`; graph shapes do not depend on weights).
+    ``experts``: as :func:`target_config`."""
     from peagle_jax.drafter.config import random_drafter_config
     from peagle_jax.drafter.shipped import resolve_drafter
 
@@ -94,9 +100,9 @@ def configs(model: str, drafter: str | None, dtype: str):
         from peagle_jax.drafter.load import load_drafter
 
         dcfg = load_drafter(drafter, dtype=dtype)[0]
-        cfg = target_config(model, dtype, dcfg.aux_layer_ids)
+        cfg = target_config(model, dtype, dcfg.aux_layer_ids, experts)
         return cfg, dcfg, f"drafter {drafter} ({dcfg.algorithm}, {dcfg.layer.num_layers} layers)"
-    cfg = target_config(model, dtype)
+    cfg = target_config(model, dtype, experts=experts)
     note = (
         "no --drafter: a randomly initialised 2-layer P-EAGLE drafter of the target's shape "
         "(graph shapes do not depend on weights)"
@@ -122,7 +128,7 @@ def speculative_generator(opts: GeneratorOptions, model_dir: Path, mesh=None):
     from peagle_jax.spec.tree import parse_tree
 
     dcfg, dparams = load_drafter(opts.drafter, dtype=opts.dtype)
-    cfg, params = load_target_any(model_dir, dtype=opts.dtype, aux_layer_ids=dcfg.aux_layer_ids)
+    cfg, params = load_target_any(model_dir, dtype=opts.dtype, aux_layer_ids=dcfg.aux_layer_ids, experts=opts.experts)
     params = _placed(cfg, params, mesh, opts)
     return SpeculativeGenerator(
         cfg,
@@ -148,6 +154,6 @@ def build_generator(opts: GeneratorOptions, model_dir: Path, mesh=None):
     from peagle_jax.checkpoint import load_target_any
     from peagle_jax.engine.generator import Generator
 
-    cfg, params = load_target_any(model_dir, dtype=opts.dtype)
+    cfg, params = load_target_any(model_dir, dtype=opts.dtype, experts=opts.experts)
     params = _placed(cfg, params, mesh, opts)
     return Generator(cfg, params, max_seq_len=opts.max_seq_len, mesh=mesh, window_buckets=opts.window_buckets)

@@ -527,8 +527,9 @@ def _quantize_experts(path):
 
 
 def test_an_mxfp4_checkpoint_loads_and_converts_unquantized(save_hf, tmp_path):
-    """The experts of an MXFP4 directory load dequantized (the values the blocks and scales encode) and the
-    rest as saved; ``convert`` writes them back unquantized in bfloat16, and the model runs on them."""
+    """With ``experts="unpacked"`` the experts of an MXFP4 directory load dequantized (the values the blocks
+    and scales encode) and the rest as saved; ``convert --experts unpacked`` writes them back unquantized in
+    bfloat16, and the model runs on them. (By default they stay packed: tests/test_mxfp4_packed.py.)"""
     from peagle_jax.convert import main as convert
     from peagle_jax.models.weights import read_safetensors
 
@@ -536,7 +537,7 @@ def test_an_mxfp4_checkpoint_loads_and_converts_unquantized(save_hf, tmp_path):
     path = save_hf(hf)
     plain_cfg, plain = load_target(path)
     expected = _quantize_experts(path)
-    cfg, params = load_target(path)
+    cfg, params = load_target(path, experts="unpacked")
     assert cfg == plain_cfg
     flat, plain_flat = dict(W.flatten(params)), dict(W.flatten(plain))
     assert flat.keys() == plain_flat.keys()
@@ -546,7 +547,7 @@ def test_an_mxfp4_checkpoint_loads_and_converts_unquantized(save_hf, tmp_path):
     for name, want in expected.items():
         np.testing.assert_array_equal(by_hf[name], want)
     out = tmp_path / "unquantized"
-    assert convert(["to-torch", str(path), str(out)]) == 0
+    assert convert(["to-torch", str(path), str(out), "--experts", "unpacked"]) == 0
     written = read_safetensors(out)
     assert not any(n.endswith(("_blocks", "_scales")) for n in written)
     for name, want in expected.items():

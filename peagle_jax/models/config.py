@@ -29,6 +29,8 @@ ARCHITECTURES = {
 ROPE_TYPES = ("default", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+EXPERT_FORMATS = ("unpacked", "packed")
+MXFP4_BLOCK = 32  # values per MXFP4 scale: packed experts need widths that are multiples of it
 
 
 class ConfigError(UserError):
@@ -63,6 +65,12 @@ class MoEConfig:
       ``norm_topk_prob``; experts ``down(silu(gate) * up)`` without bias.
 
     ``sparse_layers`` are the layers that use it; the others keep the dense MLP of ``intermediate_size``.
+
+    ``experts`` says how the expert matrices are held: ``"unpacked"`` in the run dtype (``gate_up_proj``,
+    ``down_proj``), or ``"packed"`` (GPT-OSS only) as the checkpoint's MXFP4 uint8 blocks and scales, which
+    each call unpacks for the experts it reads (:mod:`peagle_jax.models.mxfp4_jax`). A storage choice, not
+    architecture: ``config.json`` does not carry it; the loaders pick it from the checkpoint
+    (:func:`peagle_jax.models.weights.resolve_experts`).
     """
 
     num_experts: int
@@ -73,10 +81,13 @@ class MoEConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     dispatch: str = "auto"  # how tokens reach experts: "auto", "dense" or "gather" (peagle_jax.models.moe)
+    experts: str = "unpacked"  # how expert weights are held: "unpacked" or "packed" (MXFP4, GPT-OSS)
 
     def __post_init__(self):
         if self.dispatch not in ("dense", "gather", "auto"):
             raise ConfigError(f"MoE dispatch {self.dispatch!r}: choose dense, gather or auto")
+        if self.experts not in EXPERT_FORMATS:
+            raise ConfigError(f"MoE experts {self.experts!r}: choose {' or '.join(EXPERT_FORMATS)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +144,12 @@ class ModelConfig:
             raise ConfigError("layer_types has sliding_attention layers but sliding_window is not set")
         if (self.moe is not None) != (self.family in MOE_FAMILIES):
             raise ConfigError(f"a {self.family} model {'needs' if self.moe is None else 'has no'} mixture of experts")
+        if self.moe is not None and self.moe.experts == "packed":
+            if self.family != "gpt_oss":
+                raise ConfigError(f"packed (MXFP4) experts are GPT-OSS's; a {self.family} model keeps them unpacked")
+            for what, width in (("hidden_size", self.hidden_size), ("intermediate_size", self.moe.intermediate_size)):
+                if width % MXFP4_BLOCK:
+                    raise ConfigError(f"packed (MXFP4) experts need {what} a multiple of {MXFP4_BLOCK}, got {width}")
         if not self.aux_layer_ids:
             object.__setattr__(self, "aux_layer_ids", default_aux_layer_ids(self.num_layers))
         for j in self.aux_layer_ids:

@@ -6,7 +6,15 @@ einsums want (transposed once, at conversion, by :mod:`peagle_jax.models.weights
 - router: ``router.weight`` [E, D] and ``router.bias`` [E] (GPT-OSS), ``gate.weight`` [E, D] (Qwen3-MoE);
 - experts: ``experts.gate_up_proj`` [E, 2, F, D] (gate then up, ``[out, in]`` per expert, as the dense
   ``mlp.gate_up_proj``), ``experts.down_proj`` [E, D, F]; GPT-OSS adds ``gate_up_proj_bias`` [E, 2, F]
-  and ``down_proj_bias`` [E, D].
+  and ``down_proj_bias`` [E, D];
+- packed experts (``MoEConfig.experts == "packed"``, GPT-OSS's MXFP4 checkpoints) hold the two matrices as
+  uint8 pairs in the same layout, blocks running along the contracted axis: ``gate_up_proj_blocks``
+  [E, 2, F, D/32, 16] and ``gate_up_proj_scales`` [E, 2, F, D/32], ``down_proj_blocks`` [E, D, F/32, 16]
+  and ``down_proj_scales`` [E, D, F/32]; biases stay in the run dtype. A call unpacks the experts it reads
+  (:func:`peagle_jax.models.mxfp4_jax.unpack`, the values transformers dequantizes to, bit for bit): the
+  gathered dispatch slices a pair's uint8 blocks and scales and unpacks that expert, the dense one unpacks
+  every expert. Both then run the unpacked dispatch's products, so packed and unpacked experts give the
+  same logits.
 
 Two dispatches, both fixed-shape (no shape depends on the routing, nothing is sorted over the vocabulary, no
 token is dropped: a capacity limit would break lossless verification), both the exact weighted sum over each
@@ -37,9 +45,20 @@ import jax
 import jax.numpy as jnp
 
 from peagle_jax import ops
+from peagle_jax.models import mxfp4_jax
 from peagle_jax.models.config import MoEConfig
 
 _init = nn.initializers.normal(stddev=0.02)
+
+
+def _random_blocks(key, shape, dtype=jnp.uint8):
+    """Uniform random bytes: two uniform FP4 codes each (random tiny models)."""
+    return jax.random.randint(key, shape, 0, 256, jnp.int32).astype(dtype)
+
+
+def _random_scales(key, shape, dtype=jnp.uint8):
+    """Scales 2**-8 and 2**-7: unpacked values of about the unpacked experts' 0.02 standard deviation."""
+    return jax.random.randint(key, shape, 119, 121, jnp.int32).astype(dtype)
 
 
 def combine(out, top_w):
@@ -109,11 +128,11 @@ class Experts(nn.Module):
     def __call__(self, x_BTD, top_idx, top_w):
         m, dt = self.cfg, self.dtype
         E, F, D = m.num_experts, m.intermediate_size, x_BTD.shape[-1]
-        gate_up = self.param("gate_up_proj", _init, (E, 2, F, D), dt)
-        down_EDF = self.param("down_proj", _init, (E, D, F), dt)
+        weights = self._packed(E, F, D) if m.experts == "packed" else self._unpacked(E, F, D)
         gate_up_bias = self.param("gate_up_proj_bias", nn.initializers.zeros, (E, 2, F), dt) if self.clamped else None
         down_bias_ED = self.param("down_proj_bias", nn.initializers.zeros, (E, D), dt) if self.clamped else None
         if self.dispatch == "dense":
+            gate_up, down_EDF = weights(None)
             # ops.linear (W @ x^T) for all experts at once: written as x @ W^T, XLA's CPU dot repacks all E
             # experts' weights on every call (python -m peagle_jax.bench.linear measures the two forms).
             gate_up_BTE2F = ops.linear(gate_up, x_BTD)
@@ -127,31 +146,65 @@ class Experts(nn.Module):
                 out_BTED = out_BTED + down_bias_ED[None, None]
             out = jnp.take_along_axis(out_BTED, top_idx[..., None], axis=2)  # [B, T, k, D]
         elif self.dispatch == "gather":
-            out = self._gathered(x_BTD, top_idx, gate_up, down_EDF, gate_up_bias, down_bias_ED)
+            out = self._gathered(x_BTD, top_idx, weights, gate_up_bias, down_bias_ED)
         else:
             raise ValueError(f"unknown MoE dispatch {self.dispatch!r}")
         return combine(out, top_w).astype(x_BTD.dtype)
 
-    def _gathered(self, x_BTD, top_idx, gate_up, down_EDF, gate_up_bias, down_bias_ED):
+    def _unpacked(self, E, F, D):
+        """The weights in the run dtype, and ``weights(e)``: (gate_up [2, F, D], down [D, F]) of expert ``e``
+        (an int32 scalar), or of every expert ([E, 2, F, D], [E, D, F]) for ``e=None``."""
+        gate_up = self.param("gate_up_proj", _init, (E, 2, F, D), self.dtype)
+        down_EDF = self.param("down_proj", _init, (E, D, F), self.dtype)
+
+        def weights(e):
+            if e is None:
+                return gate_up, down_EDF
+            return tuple(jax.lax.dynamic_index_in_dim(w, e, 0, keepdims=False) for w in (gate_up, down_EDF))
+
+        return weights
+
+    def _packed(self, E, F, D):
+        """As :meth:`_unpacked` from the uint8 blocks and scales: ``weights(e)`` slices expert ``e``'s bytes
+        and unpacks only those; ``weights(None)`` unpacks every expert."""
+        gate_up_shapes, down_shapes = mxfp4_jax.packed_shapes((E, 2, F), D), mxfp4_jax.packed_shapes((E, D), F)
+        gate_up = [
+            self.param("gate_up_proj_blocks", _random_blocks, gate_up_shapes[0], jnp.uint8),
+            self.param("gate_up_proj_scales", _random_scales, gate_up_shapes[1], jnp.uint8),
+        ]
+        down = [
+            self.param("down_proj_blocks", _random_blocks, down_shapes[0], jnp.uint8),
+            self.param("down_proj_scales", _random_scales, down_shapes[1], jnp.uint8),
+        ]
+
+        def weights(e):
+            pairs = (gate_up, down)
+            if e is not None:
+                pairs = ([jax.lax.dynamic_index_in_dim(a, e, 0, keepdims=False) for a in pair] for pair in pairs)
+            return tuple(mxfp4_jax.unpack(blocks, scales, self.dtype) for blocks, scales in pairs)
+
+        return weights
+
+    def _gathered(self, x_BTD, top_idx, weights, gate_up_bias, down_bias_ED):
         """``out`` [B, T, k, D]: each (token, expert) pair on its own, unrolled over the B * T * k pairs, so the
         graph grows with the call's tokens: ``auto`` gathers only below E pairs, and an explicit ``gather``
         is meant for decode-sized calls, not prefill. A pair slices its expert's weights out of the stacked
-        ones (``dynamic_index_in_dim``: that expert's bytes, not all E experts') and runs the dense
-        dispatch's products on one row."""
+        ones (``weights(e)``, ``dynamic_index_in_dim``: that expert's bytes, not all E experts'; packed, its
+        uint8 blocks and scales, unpacked after the slice) and runs the dense dispatch's products on one
+        row."""
         B, T, k = top_idx.shape
         x_ND, idx_Nk = x_BTD.reshape(B * T, -1), top_idx.reshape(B * T, k)
         outs = []
         for n in range(B * T):
             for j in range(k):
                 e = idx_Nk[n, j]
+                gate_up_2FD, down_DF = weights(e)
                 # Gate and up apart: one product over [2 * F, D] would merge F with the 2, which a width split
                 # over F cannot follow (XLA all-gathers the expert's weights first).
-                gate_up_2FD = jax.lax.dynamic_index_in_dim(gate_up, e, 0, keepdims=False)
                 gate_1F, up_1F = (ops.linear(gate_up_2FD[i], x_ND[n : n + 1]) for i in (0, 1))
                 if self.clamped:
                     bias_2F = jax.lax.dynamic_index_in_dim(gate_up_bias, e, 0, keepdims=False)
                     gate_1F, up_1F = gate_1F + bias_2F[None, 0], up_1F + bias_2F[None, 1]
-                down_DF = jax.lax.dynamic_index_in_dim(down_EDF, e, 0, keepdims=False)
                 out_1D = ops.linear(down_DF, self._activation(gate_1F, up_1F))
                 if self.clamped:
                     out_1D = out_1D + jax.lax.dynamic_index_in_dim(down_bias_ED, e, 0)

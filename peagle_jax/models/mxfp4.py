@@ -58,6 +58,7 @@ __all__ = [
     "MXFP4Error",
     "check_pair",
     "dequantize",
+    "dequantize_stored",
     "is_mxfp4_name",
     "load_dequantized",
     "mxfp4_pairs",
@@ -235,6 +236,27 @@ def dequantize(
     for e0, e1, r0, r1 in _chunks(E, R, _rows_per_chunk(C, _DEQUANT_BYTES_PER_VALUE, chunk_bytes)):
         _dequantize_chunk(blocks_ERGB, scales_ERG, out, e0, e1, r0, r1)
     return out
+
+
+def dequantize_stored(
+    blocks: np.ndarray, scales: np.ndarray, dtype: Any = np.float32, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> np.ndarray:
+    """The values ``[..., 32 G]`` of blocks ``[..., G, 16]`` and scales ``[..., G]`` in ``dtype``, untransposed:
+    the stored layout, which is also that of the packed experts (:mod:`peagle_jax.models.mxfp4_jax`, whose
+    ``unpack`` this equals bit for bit). Any number of leading axes, taken as rows R; chunked like
+    :func:`dequantize`."""
+    blocks, scales = np.asarray(blocks), np.asarray(scales)
+    if blocks.ndim < 2 or blocks.shape[-1] != BYTES_PER_BLOCK or blocks.shape[:-1] != scales.shape:
+        raise MXFP4Error(f"MXFP4 blocks {blocks.shape} and scales {scales.shape} do not pair")
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
+        raise MXFP4Error(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
+    *lead, G, _ = blocks.shape
+    blocks_1RGB, scales_1RG = blocks.reshape(1, -1, G, BYTES_PER_BLOCK), scales.reshape(1, -1, G)
+    out_RC = np.empty((blocks_1RGB.shape[1], G * BLOCK_SIZE), _resolve_dtype(dtype))
+    step = _rows_per_chunk(G * BLOCK_SIZE, _DEQUANT_BYTES_PER_VALUE, chunk_bytes)
+    for r0 in range(0, out_RC.shape[0], step):
+        out_RC[r0 : r0 + step] = _dequantize_rows(blocks_1RGB[:, r0 : r0 + step], scales_1RG[:, r0 : r0 + step])[0]
+    return out_RC.reshape(*lead, G * BLOCK_SIZE)
 
 
 # -- quantize -------------------------------------------------------------------------------------------------

@@ -4,18 +4,27 @@ A rule table maps each Hugging Face tensor name to a path in the Flax parameter 
 (a transpose and reshape, done once at conversion). Every expected parameter must be set exactly once, with the
 shape the config implies; a missing, unexpected or mis-shaped tensor is a :class:`WeightsError` naming it.
 Decoder layers are described once, by :func:`decoder_layer_rules`, for the target's layers and the drafter's.
+
+GPT-OSS's MXFP4 experts (``experts.*_blocks`` / ``*_scales``, :mod:`peagle_jax.models.mxfp4`) load either
+packed (``MoEConfig.experts == "packed"``: the uint8 pairs, moved into our layout by the rule table, byte for
+byte) or dequantized to the run dtype (``"unpacked"``); :func:`resolve_experts` picks, packed by default
+where the checkpoint stores them so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from peagle_jax.errors import UserError
+from peagle_jax.models import mxfp4
 from peagle_jax.models.config import ModelConfig
 from peagle_jax.models.hf_config import load_hf_config
 from peagle_jax.models.tensors import (  # noqa: F401 (read_safetensors, write_safetensors, parse_size: re-exported)
@@ -107,6 +116,11 @@ def moe_layer_rules(cfg: ModelConfig, hf_prefix: str, path_prefix: str) -> list[
     and ``down_proj`` as [E, F, D]; Qwen3-MoE (transformers 5) as [E, 2F, D] (gate then up) and [E, D, F].
     Per-expert hub names (``experts.{e}.gate_proj.weight``) are fused first
     (:func:`~peagle_jax.models.tensors.fused_experts`).
+
+    Packed GPT-OSS experts: the hub's MXFP4 pairs hold each matrix's rows (the parameter's columns), so
+    ``gate_up_proj_blocks`` [E, 2F, D/32, 16] has gate and up interleaved along its rows; de-interleaved, it
+    is our [E, 2, F, D/32, 16], and ``down_proj_blocks`` [E, D, F/32, 16] is ours as it is (scales alike,
+    without the last axis). Reshapes and transposes of whole bytes: lossless both ways.
     """
     E = cfg.moe.num_experts if cfg.moe else 0
     F = cfg.moe.intermediate_size if cfg.moe else 0
@@ -127,11 +141,28 @@ def moe_layer_rules(cfg: ModelConfig, hf_prefix: str, path_prefix: str) -> list[
         table += [
             (mlp + "router.weight", lmlp + "router/weight", _SAME, None),
             (mlp + "router.bias", lmlp + "router/bias", _SAME, None),
-            (mlp + "experts.gate_up_proj", lmlp + "experts/gate_up_proj", gate_up, None),
             (mlp + "experts.gate_up_proj_bias", lmlp + "experts/gate_up_proj_bias", gate_up_bias, None),
-            (mlp + "experts.down_proj", lmlp + "experts/down_proj", down, None),
             (mlp + "experts.down_proj_bias", lmlp + "experts/down_proj_bias", _SAME, None),
         ]
+        if cfg.moe.experts == "packed":
+            gate_up_pair = (  # blocks [E, 2F, D/32, 16] <-> [E, 2, F, D/32, 16]; scales alike without the 16
+                lambda b: b.reshape(E, F, 2, *b.shape[2:]).swapaxes(1, 2),
+                lambda p: p.swapaxes(1, 2).reshape(E, 2 * F, *p.shape[3:]),
+            )
+            table += [
+                (mlp + f"experts.{name}", lmlp + f"experts/{name}", layout, None)
+                for name, layout in (
+                    ("gate_up_proj_blocks", gate_up_pair),
+                    ("gate_up_proj_scales", gate_up_pair),
+                    ("down_proj_blocks", _SAME),
+                    ("down_proj_scales", _SAME),
+                )
+            ]
+        else:
+            table += [
+                (mlp + "experts.gate_up_proj", lmlp + "experts/gate_up_proj", gate_up, None),
+                (mlp + "experts.down_proj", lmlp + "experts/down_proj", down, None),
+            ]
     elif cfg.family == "qwen3_moe":
         gate_up = (lambda w: w.reshape(E, 2, F, D), lambda p: p.reshape(E, 2 * F, D))
         table += [
@@ -158,6 +189,69 @@ def split_expert_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray
         else:
             out[name] = array
     return out
+
+
+EXPERT_CHOICES = ("auto", "packed", "unpacked")
+
+
+def with_experts(cfg: ModelConfig, experts: str) -> ModelConfig:
+    """``cfg`` with its experts held ``experts`` (``"packed"`` or ``"unpacked"``); without experts, ``cfg``."""
+    if cfg.moe is None or cfg.moe.experts == experts:
+        return cfg
+    return cfg.replace(moe=dataclasses.replace(cfg.moe, experts=experts))
+
+
+def resolve_experts(cfg: ModelConfig, experts: str, *, mxfp4_stored: bool, where: str = "the checkpoint"):
+    """``cfg`` with the expert format a load asks for: ``experts`` ``"auto"`` (packed where a GPT-OSS
+    checkpoint stores its experts as MXFP4, ``mxfp4_stored``, else unpacked), ``"packed"`` (refused, as a
+    :class:`UserError`, for a checkpoint without MXFP4 experts) or ``"unpacked"``. ``where`` names the
+    checkpoint in errors."""
+    if experts not in EXPERT_CHOICES:
+        raise UserError(f"--experts {experts!r}: choose {', '.join(EXPERT_CHOICES)}")
+    if experts == "packed" and cfg.family != "gpt_oss":
+        raise UserError(f"--experts packed: {where} is a {cfg.family} model; packed (MXFP4) experts are GPT-OSS's")
+    if experts == "packed" and not mxfp4_stored:
+        raise UserError(
+            f"--experts packed: {where} has no MXFP4 experts (*_blocks / *_scales tensors) to keep packed; its "
+            "experts load in the run dtype (--experts unpacked or auto)"
+        )
+    packed = cfg.family == "gpt_oss" and mxfp4_stored and experts != "unpacked"
+    return with_experts(cfg, "packed" if packed else "unpacked")
+
+
+def stored_experts(params) -> str:
+    """``"packed"`` where a parameter tree holds MXFP4 expert blocks, else ``"unpacked"``."""
+    packed = any(path.endswith("experts/gate_up_proj_blocks") for path, _ in _flatten(params))
+    return "packed" if packed else "unpacked"
+
+
+def unpacked_experts(params, dtype) -> dict:
+    """A parameter tree with its packed experts (if any) unpacked to ``dtype`` on the host, a matrix at a time
+    (:func:`~peagle_jax.models.mxfp4.dequantize_stored`, equal to what a graph unpacks): a packed JAX
+    checkpoint loaded or converted unpacked."""
+    flat = flatten(params)
+    out = {}
+    for path, value in flat.items():
+        if path.endswith(("experts/gate_up_proj_blocks", "experts/down_proj_blocks")):
+            base = path.removesuffix("_blocks")
+            out[base] = mxfp4.dequantize_stored(np.asarray(value), np.asarray(flat[base + "_scales"]), dtype)
+        elif not path.endswith(("experts/gate_up_proj_scales", "experts/down_proj_scales")):
+            out[path] = value
+    return unflatten(out)
+
+
+def _check_packed_pairs(source: TensorSource) -> None:
+    """The MXFP4 pairs a packed load reads: at least one, each a uint8 blocks/scales pair of matching shapes
+    (checked from the headers; the rule table then checks each against the config)."""
+    pairs = mxfp4.mxfp4_pairs(source)
+    if not pairs:
+        raise WeightsError(
+            "packed experts need a checkpoint with MXFP4 experts (*_blocks / *_scales tensors); this one has "
+            "none (load it with --experts unpacked)"
+        )
+    for base, names in pairs.items():
+        blocks, scales = (SimpleNamespace(shape=source.shape(n), dtype=source.dtype(n)) for n in names)
+        mxfp4.check_pair(blocks, scales, base)
 
 
 def _rules(cfg: ModelConfig) -> list[_Rule]:
@@ -202,8 +296,9 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], np.dty
 
 
 def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """``name -> shape`` of every tensor a Hugging Face checkpoint of ``cfg`` holds (fused experts, no MXFP4),
-    from the rule tables, without allocating any of them."""
+    """``name -> shape`` of every tensor a Hugging Face checkpoint of ``cfg`` holds (fused experts; MXFP4
+    pairs where ``cfg``'s experts are packed, else the dequantized matrices), from the rule tables, without
+    allocating any of them."""
     rules, out = _rules(cfg), {}
     for path, (shape, _) in expected_shapes(cfg).items():
         for rule, hf in _parts(rules, path):
@@ -348,13 +443,17 @@ def params_from_hf(
     """Map an HF state dict (name -> array, or a :class:`~peagle_jax.models.tensors.TensorSource` that reads on
     demand) onto the parameter tree of ``cfg``, checking every tensor. Values take ``cfg.dtype``, or keep the
     checkpoint's with ``keep_dtype`` (for lossless conversion; MXFP4 experts then take bfloat16, the dtype
-    transformers dequantizes into). ``place`` and ``progress``: :func:`flat_from_tensors`."""
+    transformers dequantizes into). Packed experts (``cfg.moe.experts``) keep the MXFP4 pairs' bytes, which
+    must be there. ``place`` and ``progress``: :func:`flat_from_tensors`."""
     source = TensorSource.of(tensors)
     if cfg.tie_word_embeddings:  # some tied checkpoints store a copy of the embedding; the embedding is used
         source = source.without(["lm_head.weight"])
     if cfg.family == "qwen3_moe":
         source = fused_experts(source, cfg.moe.num_experts)
-    source = dequantized(source, "bfloat16" if keep_dtype else cfg.dtype)
+    if cfg.moe is not None and cfg.moe.experts == "packed":
+        _check_packed_pairs(source)
+    else:
+        source = dequantized(source, "bfloat16" if keep_dtype else cfg.dtype)
     flat = flat_from_tensors(
         source,
         _rules(cfg),
@@ -379,9 +478,19 @@ def params_to_hf(params: dict, cfg: ModelConfig, *, dtypes: dict | None = None) 
     return tensors
 
 
-def load_target(model_dir: str | Path, *, dtype: str = "float32", aux_layer_ids=None, progress: bool = False):
+def load_target(
+    model_dir: str | Path, *, dtype: str = "float32", aux_layer_ids=None, experts: str = "auto", progress: bool = False
+):
     """(cfg, params) of a Hugging Face model directory, params placed on the default device one tensor at a
-    time as they are read (peak host memory: the parameters in ``dtype`` plus one tensor's parts)."""
+    time as they are read (peak host memory: the parameters in ``dtype`` plus one tensor's parts). MXFP4
+    experts stay packed or are dequantized as ``experts`` says (:func:`resolve_experts`)."""
     cfg = load_hf_config(model_dir, dtype=dtype, aux_layer_ids=aux_layer_ids)
-    params = params_from_hf(open_safetensors(model_dir), cfg, place=lambda _, x: jax.device_put(x), progress=progress)
+    source = open_safetensors(model_dir)
+    cfg = resolve_experts(cfg, experts, mxfp4_stored=stores_mxfp4(source), where=str(model_dir))
+    params = params_from_hf(source, cfg, place=lambda _, x: jax.device_put(x), progress=progress)
     return cfg, params
+
+
+def stores_mxfp4(tensor_names: Iterable[str]) -> bool:
+    """Whether a checkpoint's tensors include MXFP4 pairs (a half pair is an error naming it)."""
+    return bool(mxfp4.mxfp4_pairs(tensor_names))

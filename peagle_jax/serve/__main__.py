@@ -137,6 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="weights/compute dtype (default float32)",
     )
     p.add_argument(
+        "--experts",
+        choices=["auto", "packed", "unpacked"],
+        default="auto",
+        help="a GPT-OSS target's MXFP4 experts: packed = kept as the checkpoint's uint8 blocks and scales (4.25 "
+        "bits per weight; each step unpacks the experts it reads), unpacked = dequantized to --dtype at load; "
+        "auto (default): packed where the checkpoint stores its experts as MXFP4, else unpacked",
+    )
+    p.add_argument(
         "--compile",
         choices=["background", "first"],
         default="background",
@@ -276,6 +284,7 @@ def load(args):
         tree=args.tree,
         sequential=args.sequential,
         fused=args.fused,
+        experts=args.experts,
         window_buckets=args.window_buckets,
     )
     gen = build_generator(opts, model_dir)
