@@ -18,6 +18,10 @@ and one after the MLP, which XLA inserts):
   - ``width`` (tensor parallelism within each expert): ``gate_up_proj`` on F (axis 2), ``down_proj`` on its
     input F (axis 2), ``gate_up_proj_bias`` on F, ``down_proj_bias`` replicated, so each device holds F/TP
     hidden units of every expert, as the dense MLP;
+  - packed (MXFP4) experts split the same axes of their uint8 pairs: E for ``experts``; for ``width``,
+    ``gate_up_proj_blocks`` [E, 2, F, D/32, 16] and its scales on F (axis 2), ``down_proj_blocks``
+    [E, D, F/32, 16] and its scales on the F/32 block axis (axis 2), so TP must divide F/32 there: a
+    device holds whole blocks of 32 hidden units, whose unpacked values are its F/TP hidden units;
   - ``auto`` (the default): ``experts`` for the dense dispatch, ``width`` for a dispatch that gathers
     (``gather``, or ``auto``, whose decode steps gather), the other split where TP does not divide the
     first's count. Both splits are exact and hold 1/TP of the expert weights per device; they differ in
@@ -65,39 +69,58 @@ SPLIT_AXIS = {
 }
 EXPERT_SPLITS = ("auto", "experts", "width")
 # Expert split -> expert parameter name (under ``experts``) -> the axis split over ``tp`` (absent: replicated).
+PACKED_EXPERT_NAMES = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
 EXPERT_SPLIT_AXIS = {
-    "experts": {"gate_up_proj": 0, "gate_up_proj_bias": 0, "down_proj": 0, "down_proj_bias": 0},
-    "width": {"gate_up_proj": 2, "gate_up_proj_bias": 2, "down_proj": 2},
+    "experts": {
+        "gate_up_proj": 0,
+        "gate_up_proj_bias": 0,
+        "down_proj": 0,
+        "down_proj_bias": 0,
+        **dict.fromkeys(PACKED_EXPERT_NAMES, 0),
+    },
+    "width": {"gate_up_proj": 2, "gate_up_proj_bias": 2, "down_proj": 2, **dict.fromkeys(PACKED_EXPERT_NAMES, 2)},
 }
+MXFP4_BLOCK = 32  # hidden units per packed block: a width split of packed experts splits whole blocks
 
 
 def expert_split(
-    tp: int, *, num_experts: int, expert_width: int, dispatch: str = "dense", experts: str = "auto", what="the target"
+    tp: int,
+    *,
+    num_experts: int,
+    expert_width: int,
+    dispatch: str = "dense",
+    experts: str = "auto",
+    what="the target",
+    packed: bool = False,
 ) -> str:
     """The split (``"experts"`` or ``"width"``) of ``num_experts`` experts of ``expert_width`` hidden units
     over ``tp`` devices that ``experts`` asks for, or a :class:`UserError` naming the count TP does not
     divide. ``"auto"``: whole experts for the dense ``dispatch``, the width for one that gathers (``gather``
-    or ``auto``), the other where TP does not divide the first."""
+    or ``auto``), the other where TP does not divide the first. ``packed`` (MXFP4) experts split their width
+    in blocks of 32 hidden units, so there TP must divide ``expert_width / 32``."""
     if experts not in EXPERT_SPLITS:
         raise UserError(f"--expert-split {experts!r}: choose {', '.join(EXPERT_SPLITS)}")
+    units, unit = (expert_width // MXFP4_BLOCK, "MXFP4 blocks") if packed else (expert_width, "hidden units")
+    width = (
+        f"packed expert width of {units} MXFP4 blocks ({expert_width} hidden units)"
+        if packed
+        else f"expert width {units}"
+    )
     if experts == "auto":
-        if expert_width % tp and num_experts % tp:
+        if units % tp and num_experts % tp:
             raise UserError(
-                f"--tp {tp} must divide {what}'s expert width {expert_width} (--expert-split width) or its "
-                f"{num_experts} experts (--expert-split experts)"
+                f"--tp {tp} must divide {what}'s {width} (--expert-split width) or its {num_experts} experts "
+                "(--expert-split experts)"
             )
         first, second = ("experts", "width") if dispatch == "dense" else ("width", "experts")
-        return first if (num_experts if first == "experts" else expert_width) % tp == 0 else second
+        return first if (num_experts if first == "experts" else units) % tp == 0 else second
     if experts == "experts" and num_experts % tp:
         raise UserError(
             f"--tp {tp} must divide {what}'s {num_experts} experts (--expert-split experts gives each device "
             "whole experts)"
         )
-    if experts == "width" and expert_width % tp:
-        raise UserError(
-            f"--tp {tp} must divide {what}'s expert width {expert_width} (--expert-split width splits every "
-            "expert's hidden units)"
-        )
+    if experts == "width" and units % tp:
+        raise UserError(f"--tp {tp} must divide {what}'s {width} (--expert-split width splits every expert's {unit})")
     return experts
 
 
@@ -131,6 +154,7 @@ def check_tp(
             dispatch=moe.dispatch,
             experts=experts,
             what=what,
+            packed=moe.experts == "packed",
         )
 
 
@@ -176,11 +200,16 @@ def param_spec(path, x, experts: str | None = None) -> PartitionSpec:
     return PartitionSpec(*spec)
 
 
+_GATE_UP = ("gate_up_proj", "gate_up_proj_blocks")  # [E, 2, F, D] or packed [E, 2, F, D/32, 16]
+
+
 def _expert_shapes(params):
-    """(E, F) of the first ``experts.gate_up_proj [E, 2, F, D]`` in a parameter tree, or None."""
+    """(E, F, packed) of the first ``experts.gate_up_proj`` (or its packed blocks) in a parameter tree, or
+    None."""
     for path, x in jax.tree_util.tree_leaves_with_path(params):
-        if _names(path)[-2:] == ("experts", "gate_up_proj"):
-            return x.shape[0], x.shape[2]
+        names = _names(path)
+        if len(names) >= 2 and names[-2] == "experts" and names[-1] in _GATE_UP:
+            return x.shape[0], x.shape[2], names[-1] != "gate_up_proj"
     return None
 
 
@@ -188,8 +217,8 @@ def placed_split(params, mesh) -> str | None:
     """The expert split that the tree's expert weights already have on ``mesh``, or None (not placed there,
     or no experts)."""
     for path, x in jax.tree_util.tree_leaves_with_path(params):
-        sharding = getattr(x, "sharding", None)
-        if _names(path)[-2:] != ("experts", "gate_up_proj") or not isinstance(sharding, NamedSharding):
+        sharding, names = getattr(x, "sharding", None), _names(path)
+        if names[-2:-1] != ("experts",) or names[-1] not in _GATE_UP or not isinstance(sharding, NamedSharding):
             continue
         if sharding.mesh != mesh:
             return None
@@ -206,8 +235,10 @@ def param_shardings(params, mesh, experts: str = "auto", dispatch: str = "dense"
     shapes = _expert_shapes(params)
     split = None
     if shapes is not None:
-        E, F = shapes
-        split = expert_split(mesh.shape[AXIS], num_experts=E, expert_width=F, dispatch=dispatch, experts=experts)
+        E, F, packed = shapes
+        split = expert_split(
+            mesh.shape[AXIS], num_experts=E, expert_width=F, dispatch=dispatch, experts=experts, packed=packed
+        )
     return jax.tree_util.tree_map_with_path(lambda path, x: NamedSharding(mesh, param_spec(path, x, split)), params)
 
 

@@ -5,7 +5,12 @@ kv heads and 8 experts, decoded greedily past the sliding window, plainly and sp
 and at TP = 1, 2, 4, 8 with the experts split whole (``experts``: a P-EAGLE chain) and by width
 (``width``: the fused draft-and-verify graph); the expert shard shapes each generator holds; the sharded
 decode step exported for neuron and linted; for GPT-OSS the largest collective of a compiled TP 8 decode
-step per dispatch and split. Prints one JSON object."""
+step per dispatch and split. Prints one JSON object.
+
+``gpt_oss_packed`` (tests/test_mxfp4_packed.py): the GPT-OSS target with packed MXFP4 experts of width 64
+(two blocks of 32 per expert row), plain and speculative without a mesh, at TP 2 split both ways and at
+TP 4 and 8 with whole experts; the shard shapes of the packed pairs; the same model unpacked on one device;
+and the refusal of a width split that TP does not divide in blocks."""
 
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ NEW = 20
 TPS = (1, 2, 4, 8)
 SPLITS = ("experts", "width")
 EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+PACKED_EXPERT_TENSORS = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
 
 
 SEEDS = {"gpt_oss": (1, 2), "qwen3_moe": (5, 15)}  # (target, drafter): varied tokens, drafts accepted
@@ -79,10 +85,14 @@ def moe_target(family: str):
 
 def random_params(abstract, seed: int):
     """Parameters of these shapes drawn on the host (no XLA compile of an init): matrices N(0, 0.6) (the
-    0.02 init times 30), norm weights one, biases and sinks N(0, 1)."""
+    0.02 init times 30), norm weights one, biases and sinks N(0, 1); packed experts random bytes with
+    scales 2**-3 and 2**-2 (values of about 0.6 too)."""
     rng = np.random.RandomState(seed)
 
     def draw(path, x):
+        if x.dtype == np.uint8:
+            low, high = (0, 256) if jax.tree_util.keystr(path).endswith("_blocks']") else (124, 126)
+            return jnp.asarray(rng.randint(low, high, x.shape), jnp.uint8)
         if x.ndim > 1:
             return jnp.asarray(0.6 * rng.standard_normal(x.shape), x.dtype)
         if "norm" in jax.tree_util.keystr(path):
@@ -125,7 +135,11 @@ def decode(cfg, params, dcfg, dparams, mesh, spec: str | None) -> dict:
     out = {"plain": [r.token_ids for r in plain.generate(PROMPTS, **gen)]}
     if mesh is not None:
         experts = plain.params["layers.0"]["mlp"]["experts"]
-        out["shards"] = {n: list(experts[n].addressable_shards[0].data.shape) for n in EXPERT_TENSORS if n in experts}
+        out["shards"] = {
+            n: list(experts[n].addressable_shards[0].data.shape)
+            for n in EXPERT_TENSORS + PACKED_EXPERT_TENSORS
+            if n in experts
+        }
     if spec is not None:
         sg = SpeculativeGenerator(cfg, params, dcfg, dparams, k=3, fused=spec == "fused", **kw)
         out[spec] = [r.token_ids for r in sg.generate(PROMPTS, **gen)]
@@ -185,6 +199,34 @@ def export_sharded(cfg, mesh, split: str) -> dict:
     return {"devices": exported.nr_devices, "findings": [str(f) for f in lint_stablehlo(exported.mlir_module())]}
 
 
+def main_packed() -> int:
+    """The ``gpt_oss_packed`` runs (see the module docstring)."""
+    from peagle_jax.errors import UserError
+    from peagle_jax.models.weights import unpacked_experts
+
+    assert jax.device_count() == 8, jax.devices()
+    cfg, _ = moe_target("gpt_oss")
+    cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, intermediate_size=64, experts="packed"))
+    params = random_params(jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0))), SEEDS["gpt_oss"][0])
+    dcfg, dparams = drafter(cfg, SEEDS["gpt_oss"][1])
+    out = {"devices": jax.device_count(), "runs": {}}
+    out["runs"]["none"] = decode(cfg, params, dcfg, dparams, None, "parallel")
+    unpacked = unpacked_experts(jax.tree.map(np.asarray, params), "float32")
+    out["unpacked"] = decode(cfg.replace(moe=dataclasses.replace(cfg.moe, experts="unpacked")), unpacked, dcfg,
+                             dparams, None, None)["plain"]  # fmt: skip
+    for tp, split, spec in ((2, "experts", "parallel"), (2, "width", "fused"), (4, "experts", "parallel"),
+                            (8, "experts", None)):  # fmt: skip
+        mesh = make_mesh(tp)
+        out["runs"][f"{tp}-{split}"] = decode(cfg, shard_target(cfg, params, mesh, split), dcfg, dparams, mesh, spec)
+    try:
+        shard_target(cfg, params, make_mesh(4), "width")
+        out["refused"] = None
+    except UserError as err:
+        out["refused"] = str(err)
+    print(json.dumps(out))
+    return 0
+
+
 def main(family: str) -> int:
     assert jax.device_count() == 8, jax.devices()
     cfg, params = moe_target(family)
@@ -213,4 +255,4 @@ def main(family: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main_packed() if sys.argv[1] == "gpt_oss_packed" else main(sys.argv[1]))
