@@ -168,7 +168,9 @@ def run(args) -> dict:
     from peagle_jax.platform import default_cache_dir, select_platform
 
     cache = args.compilation_cache or default_cache_dir()
-    devices = select_platform(args.platform, compilation_cache=None if str(cache) == "none" else cache)
+    devices = select_platform(
+        args.platform, compilation_cache=None if str(cache) == "none" else cache, dtype=args.dtype
+    )
     mesh = None
     if args.tp != 1:
         from peagle_jax.sharding import make_mesh

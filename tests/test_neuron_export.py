@@ -372,3 +372,30 @@ def test_cli_exports_from_a_config_json_with_k_and_an_expert_split(tmp_path, cap
     assert main([*argv, "--k", "two", "--out", str(tmp_path / "x")]) == 2
     assert main(["export", "--model", str(tmp_path / "missing.json"), "--out", str(tmp_path / "x")]) == 2
     assert "--k 'two': expected comma-separated integers" in capsys.readouterr().err
+
+
+def test_packed_experts_export_clean(tmp_path, capsys):
+    """A GPT-OSS config.json whose checkpoint is MXFP4 (``quantization_config``) exports its packed graphs
+    (the uint8 blocks and scales as parameters, unpacked inside), clean for neuron and tpu; ``--experts
+    unpacked`` exports the run-dtype experts instead."""
+    from peagle_jax.neuron.__main__ import main
+
+    hf = dict(
+        model_type="gpt_oss", vocab_size=64, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=4, quantization_config={"quant_method": "mxfp4"},
+    )  # fmt: skip
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(hf))
+    yaml = tmp_path / "b.yaml"
+    yaml.write_text("batch_buckets: [1]\nprefill_buckets: [8]\nmax_seq_len: 16\nsampling: false\nadaptive: false\n")
+    argv = ["export", "--model", str(config), "--buckets", str(yaml), "--k", "2"]
+    assert main([*argv, "--out", str(tmp_path / "packed")]) == 0
+    out = capsys.readouterr().out
+    assert "packed experts" in out and "lint: clean" in out
+    text = (tmp_path / "packed" / "neuron" / "decode_b1_s16_w16_greedy.mlir").read_text()
+    assert "gate_up_proj_blocks" in text and "ui8" in text
+    assert main([*argv, "--experts", "unpacked", "--platforms", "neuron", "--out", str(tmp_path / "plain")]) == 0
+    assert "unpacked experts" in capsys.readouterr().out
+    text = (tmp_path / "plain" / "neuron" / "decode_b1_s16_w16_greedy.mlir").read_text()
+    assert "gate_up_proj_blocks" not in text

@@ -117,3 +117,23 @@ def test_static_graphs_forbids_branching_inside_and_nests():
             assert not branching_allowed()
         assert not branching_allowed()  # leaving the inner one keeps the outer setting
     assert branching_allowed()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_generate_and_serve_pass_their_dtype_to_the_platform(monkeypatch, dtype):
+    """The Neuron compiler's casting follows the run's dtype: ``generate`` and ``serve`` hand theirs to
+    :func:`peagle_jax.platform.select_platform` (stopped there, before anything loads)."""
+    from peagle_jax import generate, platform
+    from peagle_jax.errors import UserError
+    from peagle_jax.serve import __main__ as serve
+
+    seen = []
+
+    def fake(name, *, compilation_cache=None, dtype=None):
+        seen.append(dtype)
+        raise UserError("stopped by the test")
+
+    monkeypatch.setattr(platform, "select_platform", fake)
+    assert generate.main(["--dtype", dtype, "--prompt", "x", "--compilation-cache", "none"]) == 2
+    assert serve.main(["--dtype", dtype, "--warmup-only", "--compilation-cache", "none"]) == 2
+    assert seen == [dtype, dtype]

@@ -60,8 +60,9 @@ def build_parser() -> ArgumentParser:
         help="with --tp, how a mixture of experts is split: whole experts, or every expert's width "
         "(peagle_jax.sharding; default auto)",
     )
-    from peagle_jax.neuron.plan import add_plan_parser
+    from peagle_jax.neuron.plan import add_experts_flag, add_plan_parser
 
+    add_experts_flag(e)
     add_plan_parser(sub)
     return p
 
@@ -91,9 +92,10 @@ def run_export(args) -> int:
     buckets = load_buckets(args.buckets, **overrides)
     from peagle_jax.neuron.targets import configs
 
-    cfg, dcfg, drafter_note = configs(args.model, args.drafter, buckets.dtype)
+    cfg, dcfg, drafter_note = configs(args.model, args.drafter, buckets.dtype, args.experts)
     graphs = all_graphs(cfg, dcfg, buckets, tp=args.tp, expert_split=args.expert_split)
-    print(f"target: {args.model} ({cfg.family}, {cfg.num_layers} layers, vocab {cfg.vocab_size}, {cfg.dtype})")
+    held = f", {cfg.moe.experts} experts" if cfg.moe is not None else ""
+    print(f"target: {args.model} ({cfg.family}, {cfg.num_layers} layers, vocab {cfg.vocab_size}, {cfg.dtype}{held})")
     print(drafter_note)
     print(f"buckets: {buckets}" + (f"; tensor parallel over {args.tp} devices" if args.tp > 1 else ""))
     print(f"{len(graphs)} graphs x platforms {', '.join(platforms)} (jax {jax.__version__}) -> {args.out}")

@@ -430,7 +430,7 @@ def run_plan(args) -> int:
         raise UserError(f"--acceptance-length must be in 1..K+1 = 1..{args.k + 1}, got {args.acceptance_length}")
     if args.drafter is not None and not Path(args.drafter).is_dir():
         raise UserError(f"--drafter {args.drafter}: no such directory")
-    cfg, dcfg, note = configs(args.model, args.drafter, args.dtype)
+    cfg, dcfg, note = configs(args.model, args.drafter, args.dtype, "unpacked")  # counted packed by --experts
     experts = checkpoint_experts(args.model) if args.experts == "auto" else args.experts
     if experts == "packed":
         check_packed(cfg)

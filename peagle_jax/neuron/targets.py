@@ -61,36 +61,42 @@ def released_drafter_config(cfg, released: Released):
     )
 
 
-def read_target(model: str, dtype: str, aux_layer_ids=None):
-    """The target config of ``--model``: a config.json file, or what :func:`peagle_jax.loading.target_config`
-    reads (a directory or ``smollm2``)."""
+def read_target(model: str, dtype: str, aux_layer_ids=None, experts: str = "auto"):
+    """The target config of ``--model``: a config.json file (its experts MXFP4 where its
+    ``quantization_config`` says so, as on the hub), or what :func:`peagle_jax.loading.target_config` reads (a
+    directory or ``smollm2``), with the expert format ``experts`` asks for."""
     from peagle_jax.loading import target_config
     from peagle_jax.models.hf_config import from_hf_config, read_json_object
+    from peagle_jax.models.weights import resolve_experts
+    from peagle_jax.neuron.plan import checkpoint_experts
 
     path = Path(model)
     if path.suffix != ".json":
-        return target_config(model, dtype, aux_layer_ids)
+        return target_config(model, dtype, aux_layer_ids, experts)
     if not path.is_file():
         raise UserError(f"--model {model}: no such file")
-    return from_hf_config(read_json_object(path, f"--model {model}"), dtype=dtype, aux_layer_ids=aux_layer_ids)
+    cfg = from_hf_config(read_json_object(path, f"--model {model}"), dtype=dtype, aux_layer_ids=aux_layer_ids)
+    stored = checkpoint_experts(model) == "packed"
+    return resolve_experts(cfg, experts, mxfp4_stored=stored, where=f"--model {model}")
 
 
-def configs(model: str, drafter: str | None, dtype: str):
-    """(target config, drafter config, a line saying which drafter), without weights."""
+def configs(model: str, drafter: str | None, dtype: str, experts: str = "auto"):
+    """(target config, drafter config, a line saying which drafter), without weights; a GPT-OSS target's
+    experts packed or unpacked as ``experts`` (auto: as its checkpoint stores them)."""
     from peagle_jax import loading
 
     if drafter:
         from peagle_jax.drafter.load import load_drafter
 
         dcfg = load_drafter(drafter, dtype=dtype)[0]
-        cfg = read_target(model, dtype, dcfg.aux_layer_ids)
+        cfg = read_target(model, dtype, dcfg.aux_layer_ids, experts)
         return cfg, dcfg, f"drafter {drafter} ({dcfg.algorithm}, {dcfg.layer.num_layers} layers)"
     if Path(model).suffix != ".json":
-        cfg, dcfg, note = loading.configs(model, None, dtype)
+        cfg, dcfg, note = loading.configs(model, None, dtype, experts)
         if not note.startswith("no --drafter"):  # a shipped drafter
             return cfg, dcfg, note
     else:
-        cfg = read_target(model, dtype)
+        cfg = read_target(model, dtype, experts=experts)
     released = released_for(cfg)
     if released is None:
         from peagle_jax.drafter.config import random_drafter_config

@@ -178,17 +178,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def select_platform(platform: str, compilation_cache: str | None, model: str | None = None) -> str | None:
+def select_platform(
+    platform: str, compilation_cache: str | None, model: str | None = None, dtype: str | None = None
+) -> str | None:
     """Point JAX at ``platform`` (and its compilation caches) before anything touches a device: the shared
     :func:`peagle_jax.platform.select_platform`, as ``generate`` does. Without ``compilation_cache``, a model
     directory's own ``jax-cache`` (its compiled graphs, :func:`peagle_jax.platform.artifact_cache`) comes
-    first, then the default. Returns the cache directory used (None: disabled)."""
+    first, then the default; ``dtype`` chooses the Neuron compiler's casting (float32 keeps float32).
+    Returns the cache directory used (None: disabled)."""
     from peagle_jax.platform import artifact_cache, default_cache_dir
     from peagle_jax.platform import select_platform as select
 
     cache = compilation_cache or (model and model != "smollm2" and artifact_cache(model)) or default_cache_dir()
     cache = None if str(cache) == "none" else str(cache)
-    select(platform, compilation_cache=cache)
+    select(platform, compilation_cache=cache, dtype=dtype)
     return cache
 
 
@@ -328,7 +331,7 @@ def main(argv=None) -> int:
         if not args.warmup_only:
             sock = listen_socket(args.host, args.port)  # a taken port is said at once, before anything loads
             args.port = sock.getsockname()[1]
-        args.compilation_cache = select_platform(args.platform, args.compilation_cache, args.model)
+        args.compilation_cache = select_platform(args.platform, args.compilation_cache, args.model, args.dtype)
         # Every module of the graphs is imported here, before the executables loaded ahead are unpickled on
         # another thread (which imports their pytree classes' modules): two threads importing one package's
         # circular imports (flax's) can each see the other's half-initialized module.
