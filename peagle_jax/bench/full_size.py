@@ -1,0 +1,221 @@
+"""``python -m peagle_jax.bench.full_size``: a large mixture-of-experts target at full size on this machine.
+
+For a model directory (a real checkpoint, or a random one in the hub's layout from
+``python -m peagle_jax.models.random_checkpoint --config neuron/configs/gpt-oss-20b.json --out DIR``), in one
+process and in this order:
+
+1. **start-up**: the seconds to load the weights (MXFP4 experts packed or unpacked, ``--experts``) and the
+   process's resident memory after it;
+2. **plain greedy decoding** of ``--new-tokens`` tokens after a random ``--prompt-len``-token prompt: the
+   seconds to the first token (prefill, compiles included) and the decode tokens per second, timed on a
+   second run (compiled);
+3. **bytes per decode step**: XLA's cost analysis of the compiled one-token forward (the bytes it accesses)
+   against the active-parameter bound (what one token must read at least: every non-expert weight, one
+   embedding row, the router, and ``top_k`` of E experts per sparse layer, as the experts are held);
+4. **speculative step cost** with a random P-EAGLE drafter of the released drafter's shape for the target
+   (:mod:`peagle_jax.neuron.targets`: for GPT-OSS-20B 4 Llama layers at the target's width, the full
+   vocabulary, the taps 2, 12, 21; else ``--drafter-layers`` layers of the target's shape): the
+   serving engine's step with a chain of K against its plain step, timed interleaved
+   (:func:`peagle_jax.bench.steps.measure`), for each ``--k``.
+
+Prints a summary and, with ``--json FILE``, writes it; the peak resident memory of the whole run is part of it
+(``ru_maxrss``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+
+from peagle_jax import errors
+
+
+def rss_gib() -> float:
+    """This process's current resident memory, GiB (Linux ``/proc/self/statm``)."""
+    import os
+
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def tree_bytes(tree) -> int:
+    import jax
+
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
+
+
+def active_bound_bytes(cfg, params) -> int:
+    """Bytes one decoded token must read at least: every weight but the embedding and the experts, one
+    embedding row, and ``top_k`` of E experts' weights in each sparse layer (as they are held)."""
+    import jax
+
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    total = expert = 0
+    embed_row = 0
+    for path, x in flat:
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        n = x.size * x.dtype.itemsize
+        if "embed_tokens" in name:
+            embed_row = n // x.shape[0]
+            continue
+        if "/experts/" in name and "bias" not in name:
+            expert += n
+            continue
+        total += n
+    m = cfg.moe
+    return total + embed_row + (expert * m.top_k // m.num_experts if m is not None else expert)
+
+
+def decode_bytes(cfg, params, max_seq_len: int) -> float:
+    """XLA's ``bytes accessed`` of the compiled forward of one token against a cache of ``max_seq_len``."""
+    import jax
+    import jax.numpy as jnp
+
+    from peagle_jax.models import model as M
+
+    cache = jax.eval_shape(lambda: M.new_cache(cfg, 1, max_seq_len))
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    start = jax.ShapeDtypeStruct((1,), jnp.int32)
+    forward = jax.jit(M.forward, static_argnames=("cfg",))
+    compiled = forward.lower(params, cache, tokens, start, cfg=cfg).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost.get("bytes accessed", 0.0))
+
+
+def plain_decode(gen, prompt: list[int], new_tokens: int) -> dict:
+    """Seconds to the first token and decode tokens per second of one greedy stream (the caller runs it
+    twice: the first compiles)."""
+    t0 = time.perf_counter()
+    first = None
+    count = 0
+    for gained in gen.stream([prompt], max_new_tokens=new_tokens, temperature=0.0, stop_token_ids=[]):
+        count += len(gained[0])
+        if first is None:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return {"first_token_s": first - t0, "decode_tokens_per_s": (count - 1) / (end - first)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = errors.ArgumentParser(prog="python -m peagle_jax.bench.full_size", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="Hugging Face model directory of a mixture-of-experts target")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="run dtype (default bfloat16)")
+    p.add_argument(
+        "--experts", default="auto", choices=["auto", "packed", "unpacked"], help="MXFP4 experts (default auto)"
+    )
+    p.add_argument("--prompt-len", type=int, default=32, help="random prompt tokens (default 32)")
+    p.add_argument("--new-tokens", type=int, default=16, help="tokens decoded per plain run (default 16)")
+    p.add_argument("--max-seq-len", type=int, default=256, help="context length (default 256)")
+    p.add_argument("--k", default="3,7", help="chains of K to time against a plain step, comma-separated (default 3,7)")
+    p.add_argument("--drafter-layers", type=int, default=4, help="layers of the random drafter (default 4)")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per mode (default 6)")
+    p.add_argument("--skip-spec", action="store_true", help="no speculative part")
+    p.add_argument("--json", help="also write the results to this JSON file")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        ks = [int(k) for k in args.k.split(",")]
+        if min(ks) < 1 or args.prompt_len < 1 or args.new_tokens < 2 or args.steps < 1:
+            raise ValueError
+    except ValueError:
+        print("error: --k must be positive integers, --prompt-len and --steps >= 1, --new-tokens >= 2", file=sys.stderr)
+        return 2
+    from peagle_jax.errors import UserError
+
+    try:
+        out = run(args, ks)
+    except (UserError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(out, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+def run(args, ks: list[int]) -> dict:
+    import jax
+    import numpy as np
+
+    from peagle_jax.checkpoint import load_target_any
+    from peagle_jax.engine.generator import Generator
+    from peagle_jax.loading import resolve_model_dir
+
+    out: dict = {"model": args.model, "dtype": args.dtype, "platform": jax.devices()[0].platform}
+    model_dir = resolve_model_dir(args.model)
+    t0 = time.perf_counter()
+    cfg, params = load_target_any(model_dir, dtype=args.dtype, experts=args.experts)
+    jax.block_until_ready(params)
+    out["load_s"] = time.perf_counter() - t0
+    out["experts"] = cfg.moe.experts if cfg.moe is not None else None
+    out["param_gib"] = tree_bytes(params) / 2**30
+    out["rss_after_load_gib"] = rss_gib()
+    print(f"loaded in {out['load_s']:.1f} s: {out['param_gib']:.2f} GiB of parameters", file=sys.stderr)
+
+    # random ordinary tokens (below the special ids, which GPT-OSS starts at 199998)
+    prompt = np.random.default_rng(0).integers(0, min(cfg.vocab_size, 199998), args.prompt_len).tolist()
+    gen = Generator(cfg, params, max_seq_len=args.max_seq_len)
+    out["cold"] = plain_decode(gen, prompt, args.new_tokens)
+    out["warm"] = plain_decode(gen, prompt, args.new_tokens)
+    out["startup_s"] = out["load_s"] + out["cold"]["first_token_s"]
+    print(f"plain: {out['warm']['decode_tokens_per_s']:.3f} tokens/s", file=sys.stderr)
+
+    bound = active_bound_bytes(cfg, params)
+    accessed = decode_bytes(cfg, params, args.max_seq_len)
+    out["decode_step"] = {"bytes_accessed": accessed, "active_bound_bytes": bound, "over_bound": accessed / bound}
+    out["decode_step"]["bandwidth_gib_s"] = accessed * out["warm"]["decode_tokens_per_s"] / 2**30
+    out["rss_before_spec_gib"] = rss_gib()
+
+    if not args.skip_spec:
+        out["spec"] = spec_costs(args, cfg, params, gen, prompt, ks)
+    out["peak_rss_gib"] = peak_rss_gib()
+    return out
+
+
+def spec_costs(args, cfg, params, gen, prompt, ks: list[int]) -> dict:
+    """The serving engine's step with a chain of each K against its plain step, with a random drafter."""
+    import jax
+    import jax.numpy as jnp
+
+    from peagle_jax.bench.steps import measure
+    from peagle_jax.drafter.config import random_drafter_config
+    from peagle_jax.drafter.model import init_drafter_params
+    from peagle_jax.neuron.targets import released_drafter_config, released_for
+    from peagle_jax.spec.generator import SpeculativeGenerator
+
+    released = released_for(cfg)
+    if released is not None and released.drafter_layers == args.drafter_layers:  # the released drafter's shape
+        base = released_drafter_config(cfg, released)
+    else:
+        base = random_drafter_config(cfg, layers=args.drafter_layers)
+    dparams = None
+    out = {"drafter_layers": args.drafter_layers, "k": {}}
+    for K in ks:
+        dcfg = base.replace(speculative_tokens=K)
+        if dparams is None:
+            dparams = init_drafter_params(dcfg, jax.random.key(1))
+            dparams = jax.tree.map(lambda x: x.astype(jnp.dtype(args.dtype)), dparams)
+            out["drafter_gib"] = tree_bytes(dparams) / 2**30
+        spec = SpeculativeGenerator(cfg, params, dcfg, dparams, k=K, max_seq_len=args.max_seq_len)
+        res = measure(gen, spec, prompt, 1, args.steps)
+        out["k"][K] = {"plain_ms": res["plain_ms"], **res["k"][K]}
+        print(f"K={K}: step {res['k'][K]['step_over_plain']:.2f}x the plain step", file=sys.stderr)
+        del spec
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
