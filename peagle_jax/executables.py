@@ -256,6 +256,7 @@ def _compile_afresh(lowered):
 _ahead: dict[Path, concurrent.futures.Future] = {}  # executables loaded ahead of their first call
 _taken: set[Path] = set()
 _stop_ahead = threading.Event()
+_ahead_thread: threading.Thread | None = None
 
 
 def load_ahead() -> None:
@@ -263,17 +264,22 @@ def load_ahead() -> None:
     them first called them: a server's first graphs first), until :func:`stop_ahead`. A server calls it
     before it reads its weights and tokenizer, which leave the CPU half idle; XLA deserializes without
     Python's lock. What a call then needs is there, or being loaded (the call waits for it)."""
+    global _ahead_thread
     if _store is None:
         return
     _stop_ahead.clear()
-    threading.Thread(target=_load_ahead, name="executables-ahead", daemon=True).start()
+    _ahead_thread = threading.Thread(target=_load_ahead, name="executables-ahead", daemon=True)
+    _ahead_thread.start()
 
 
-def stop_ahead() -> None:
+def stop_ahead(wait: bool = False) -> None:
     """Load no more ahead; what is loaded waits for its call. A server stops when its warm-up starts: the
     warm-up's memory-mapping budget (:class:`peagle_jax.platform.MapBudget`) projects from the mappings its
-    graphs add, which executables loaded ahead of them would inflate."""
+    graphs add, which executables loaded ahead of them would inflate. ``wait``: return once the executable
+    being loaded is done (a process that exits while XLA deserializes on another thread aborts)."""
     _stop_ahead.set()
+    if wait and _ahead_thread is not None:
+        _ahead_thread.join()
 
 
 def drop_ahead() -> None:

@@ -356,6 +356,9 @@ def main(argv=None) -> int:
             return warmup_only(args, engine)
     except (UserError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
+        from peagle_jax import executables
+
+        executables.stop_ahead(wait=True)  # exiting while it deserializes would abort the process
         return 2
     return serve(args, engine, tokenizer, stops, name, chat, sock)
 
