@@ -123,8 +123,29 @@ def test_the_gathered_dispatch_unpacks_only_the_experts_it_reads():
             if eqn.primitive.name == "bitcast_convert_type" and eqn.outvars[0].aval.dtype == jnp.float32
         }
     E, F, D = cfg.moe.num_experts, cfg.moe.intermediate_size, cfg.hidden_size
-    assert found["gather"] == {(2, F, D // 32, 32), (D, F // 32, 32)}
-    assert found["dense"] == {(E, 2, F, D // 32, 32), (E, D, F // 32, 32)}
+    # one bitcast per nibble: [..., C/32, 16] each, interleaved in the run dtype
+    assert found["gather"] == {(2, F, D // 32, 16), (D, F // 32, 16)}
+    assert found["dense"] == {(E, 2, F, D // 32, 16), (E, D, F // 32, 16)}
+
+
+def test_a_dense_call_unpacks_one_layer_at_a_time():
+    """The compiled temporaries of a dense forward (a prefill) do not grow with the layers: each layer's
+    experts are unpacked when that layer runs, not all before the first (XLA hoists work that depends on
+    the parameters alone; GPT-OSS-20B's prefill then asked for 87 GB)."""
+    hf = dict(model_type="gpt_oss", vocab_size=64, hidden_size=256, intermediate_size=256, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=64, num_experts_per_tok=2, num_local_experts=16,
+              sliding_window=8)  # fmt: skip
+    temps = {}
+    for layers in (1, 4):
+        cfg = W.with_experts(from_hf_config({**hf, "num_hidden_layers": layers}, dtype="bfloat16"), "packed")
+        cfg = with_dispatch(cfg, "dense")
+        forward = jax.jit(M.forward, static_argnames=("cfg",))
+        args = (abstract_params(cfg), jax.eval_shape(lambda c=cfg: M.new_cache(c, 1, 64)))
+        tokens, start = jax.ShapeDtypeStruct((1, 32), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)
+        compiled = forward.lower(*args, tokens, start, cfg=cfg).compile()
+        temps[layers] = compiled.memory_analysis().temp_size_in_bytes
+    one_layer_unpacked = 16 * 3 * 256 * 256 * 2  # every expert of a layer in bfloat16
+    assert temps[4] < temps[1] + one_layer_unpacked, temps
 
 
 def _equations(jaxpr):

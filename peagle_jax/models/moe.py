@@ -132,7 +132,7 @@ class Experts(nn.Module):
         gate_up_bias = self.param("gate_up_proj_bias", nn.initializers.zeros, (E, 2, F), dt) if self.clamped else None
         down_bias_ED = self.param("down_proj_bias", nn.initializers.zeros, (E, D), dt) if self.clamped else None
         if self.dispatch == "dense":
-            gate_up, down_EDF = weights(None)
+            gate_up, down_EDF = weights(None, after=top_idx)
             # ops.linear (W @ x^T) for all experts at once: written as x @ W^T, XLA's CPU dot repacks all E
             # experts' weights on every call (python -m peagle_jax.bench.linear measures the two forms).
             gate_up_BTE2F = ops.linear(gate_up, x_BTD)
@@ -153,11 +153,12 @@ class Experts(nn.Module):
 
     def _unpacked(self, E, F, D):
         """The weights in the run dtype, and ``weights(e)``: (gate_up [2, F, D], down [D, F]) of expert ``e``
-        (an int32 scalar), or of every expert ([E, 2, F, D], [E, D, F]) for ``e=None``."""
+        (an int32 scalar), or of every expert ([E, 2, F, D], [E, D, F]) for ``e=None`` (``after``: the layer's
+        expert indices, which the packed weights' unpacking waits for; unpacked weights need no wait)."""
         gate_up = self.param("gate_up_proj", _init, (E, 2, F, D), self.dtype)
         down_EDF = self.param("down_proj", _init, (E, D, F), self.dtype)
 
-        def weights(e):
+        def weights(e, after=None):
             if e is None:
                 return gate_up, down_EDF
             return tuple(jax.lax.dynamic_index_in_dim(w, e, 0, keepdims=False) for w in (gate_up, down_EDF))
@@ -177,10 +178,17 @@ class Experts(nn.Module):
             self.param("down_proj_scales", _random_scales, down_shapes[1], jnp.uint8),
         ]
 
-        def weights(e):
+        def weights(e, after=None):
             pairs = (gate_up, down)
             if e is not None:
                 pairs = ([jax.lax.dynamic_index_in_dim(a, e, 0, keepdims=False) for a in pair] for pair in pairs)
+            elif after is not None:
+                # Unpacking depends on the parameters alone, so XLA's CPU backend unpacks every layer's experts
+                # before the first layer runs and holds them all (GPT-OSS-20B's prefill asked for 87 GB; an
+                # optimization barrier does not stop it). A data dependence on the layer's routing does: the
+                # blocks and scales plus min(indices, 0), which is 0 (expert indices are >= 0).
+                zero = jnp.minimum(jnp.min(after), 0).astype(jnp.uint8)
+                pairs = [(blocks + zero, scales + zero) for blocks, scales in pairs]
             return tuple(mxfp4_jax.unpack(blocks, scales, self.dtype) for blocks, scales in pairs)
 
         return weights
