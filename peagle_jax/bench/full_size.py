@@ -12,11 +12,11 @@ process and in this order:
 3. **bytes per decode step**: XLA's cost analysis of the compiled one-token forward (the bytes it accesses)
    against the active-parameter bound (what one token must read at least: every non-expert weight, one
    embedding row, the router, and ``top_k`` of E experts per sparse layer, as the experts are held);
-4. **speculative step cost** with a random P-EAGLE drafter of the released drafter's shape for the target
-   (:mod:`peagle_jax.neuron.targets`: for GPT-OSS-20B 4 Llama layers at the target's width, the full
-   vocabulary, the taps 2, 12, 21; else ``--drafter-layers`` layers of the target's shape): the
-   serving engine's step with a chain of K against its plain step, timed interleaved
-   (:func:`peagle_jax.bench.steps.measure`), for each ``--k``.
+4. **speculative step cost**, for a chain of each ``--k``: the target's verify of K + 1 tokens plus the
+   drafter's one parallel pass over K tokens, over the target's decode step; the drafter has the released
+   drafter's shape for the target (:mod:`peagle_jax.neuron.targets`: for GPT-OSS-20B 4 Llama layers at
+   the target's width with the full-vocabulary head; else ``--drafter-layers`` layers of the target's
+   shape), random weights, timed as a forward of its layer stack. Medians of ``--steps`` runs each.
 
 Prints a summary and, with ``--json FILE``, writes it; the peak resident memory of the whole run is part of it
 (``ru_maxrss``).
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, default=256, help="context length (default 256)")
     p.add_argument("--k", default="3,7", help="chains of K to time against a plain step, comma-separated (default 3,7)")
     p.add_argument("--drafter-layers", type=int, default=4, help="layers of the random drafter (default 4)")
-    p.add_argument("--steps", type=int, default=6, help="timed steps per mode (default 6)")
+    p.add_argument("--steps", type=int, default=3, help="timed runs of each forward (default 3)")
     p.add_argument("--skip-spec", action="store_true", help="no speculative part")
     p.add_argument("--json", help="also write the results to this JSON file")
     return p
@@ -180,40 +180,60 @@ def run(args, ks: list[int]) -> dict:
     out["rss_before_spec_gib"] = rss_gib()
 
     if not args.skip_spec:
-        out["spec"] = spec_costs(args, cfg, params, gen, prompt, ks)
+        out["spec"] = spec_costs(args, cfg, params, ks)
     out["peak_rss_gib"] = peak_rss_gib()
     return out
 
 
-def spec_costs(args, cfg, params, gen, prompt, ks: list[int]) -> dict:
-    """The serving engine's step with a chain of each K against its plain step, with a random drafter."""
+def timed_forward(cfg, params, T: int, max_seq_len: int, runs: int) -> float:
+    """Median seconds of the jitted forward of ``T`` new tokens at position 8 of a fresh cache (compiled
+    first, untimed): a decode step for T = 1, a verify of a chain of K for T = K + 1."""
     import jax
     import jax.numpy as jnp
 
-    from peagle_jax.bench.steps import measure
+    from peagle_jax.models import model as M
+
+    forward = jax.jit(M.forward, static_argnames=("cfg",))
+    tokens, start = jnp.ones((1, T), jnp.int32), jnp.full((1,), 8, jnp.int32)
+    cache = M.new_cache(cfg, 1, max_seq_len)
+    jax.block_until_ready(forward(params, cache, tokens, start, cfg=cfg))
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(forward(params, cache, tokens, start, cfg=cfg))
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def spec_costs(args, cfg, params, ks: list[int]) -> dict:
+    """The speculative step's cost against a plain decode step, for a chain of each K: the target's verify
+    of K + 1 tokens, plus the drafter's one parallel pass over K tokens, timed as a forward of the released
+    drafter's layer stack (its Llama layers at the target's width with the full-vocabulary head, random
+    weights), over the target's decode step (a forward of one token)."""
+    import jax
+    import jax.numpy as jnp
+
     from peagle_jax.drafter.config import random_drafter_config
-    from peagle_jax.drafter.model import init_drafter_params
+    from peagle_jax.models import model as M
     from peagle_jax.neuron.targets import released_drafter_config, released_for
-    from peagle_jax.spec.generator import SpeculativeGenerator
 
     released = released_for(cfg)
     if released is not None and released.drafter_layers == args.drafter_layers:  # the released drafter's shape
-        base = released_drafter_config(cfg, released)
+        dcfg = released_drafter_config(cfg, released)
     else:
-        base = random_drafter_config(cfg, layers=args.drafter_layers)
-    dparams = None
-    out = {"drafter_layers": args.drafter_layers, "k": {}}
+        dcfg = random_drafter_config(cfg, layers=args.drafter_layers)
+    stack = dcfg.layer.replace(aux_layer_ids=())
+    dparams = M.init_params(stack, jax.random.key(1))
+    dparams = jax.tree.map(lambda x: x.astype(jnp.dtype(args.dtype)), dparams)
+    out = {"drafter_layers": dcfg.layer.num_layers, "drafter_gib": tree_bytes(dparams) / 2**30, "k": {}}
+    runs = args.steps
+    out["decode_s"] = timed_forward(cfg, params, 1, args.max_seq_len, runs)
     for K in ks:
-        dcfg = base.replace(speculative_tokens=K)
-        if dparams is None:
-            dparams = init_drafter_params(dcfg, jax.random.key(1))
-            dparams = jax.tree.map(lambda x: x.astype(jnp.dtype(args.dtype)), dparams)
-            out["drafter_gib"] = tree_bytes(dparams) / 2**30
-        spec = SpeculativeGenerator(cfg, params, dcfg, dparams, k=K, max_seq_len=args.max_seq_len)
-        res = measure(gen, spec, prompt, 1, args.steps)
-        out["k"][K] = {"plain_ms": res["plain_ms"], **res["k"][K]}
-        print(f"K={K}: step {res['k'][K]['step_over_plain']:.2f}x the plain step", file=sys.stderr)
-        del spec
+        verify = timed_forward(cfg, params, K + 1, args.max_seq_len, runs)
+        draft = timed_forward(stack, dparams, K, args.max_seq_len, runs)
+        ratio = (verify + draft) / out["decode_s"]
+        out["k"][K] = {"verify_s": verify, "draft_s": draft, "step_over_plain": ratio}
+        print(f"K={K}: verify + draft = {ratio:.2f}x a decode step", file=sys.stderr)
     return out
 
 
