@@ -222,8 +222,10 @@ def spec_costs(args, cfg, params, ks: list[int]) -> dict:
         dcfg = released_drafter_config(cfg, released)
     else:
         dcfg = random_drafter_config(cfg, layers=args.drafter_layers)
-    stack = dcfg.layer.replace(aux_layer_ids=())
-    dparams = M.init_params(stack, jax.random.key(1))
+    # One vocabulary matrix (tied): its head's product is the drafter's; its own embedding, which a step reads
+    # one row of, would only take memory.
+    stack = dcfg.layer.replace(aux_layer_ids=(), tie_word_embeddings=True)
+    dparams = jax.jit(lambda key: M.init_params(stack, key))(jax.random.key(1))
     dparams = jax.tree.map(lambda x: x.astype(jnp.dtype(args.dtype)), dparams)
     out = {"drafter_layers": dcfg.layer.num_layers, "drafter_gib": tree_bytes(dparams) / 2**30, "k": {}}
     runs = args.steps
