@@ -185,6 +185,25 @@ def run(args, ks: list[int]) -> dict:
     return out
 
 
+def random_params(shapes, dtype, seed: int = 1, chunk: int = 1 << 22):
+    """Random normal parameters (standard deviation 0.02) of the shapes of ``shapes`` in ``dtype``, drawn on
+    the host ``chunk`` values at a time and placed leaf by leaf: the memory of the parameters plus one leaf,
+    never a float32 copy of the largest."""
+    import jax
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+
+    def leaf(x):
+        out = np.empty(x.shape, dtype)
+        flat = out.reshape(-1)
+        for i in range(0, flat.size, chunk):
+            flat[i : i + chunk] = rng.standard_normal(min(chunk, flat.size - i), np.float32) * 0.02
+        return jax.device_put(out)
+
+    return jax.tree.map(leaf, shapes)
+
+
 def timed_forward(cfg, params, T: int, max_seq_len: int, runs: int) -> float:
     """Median seconds of the jitted forward of ``T`` new tokens at position 8 of a fresh cache (compiled
     first, untimed): a decode step for T = 1, a verify of a chain of K for T = K + 1."""
@@ -225,8 +244,7 @@ def spec_costs(args, cfg, params, ks: list[int]) -> dict:
     # One vocabulary matrix (tied): its head's product is the drafter's; its own embedding, which a step reads
     # one row of, would only take memory.
     stack = dcfg.layer.replace(aux_layer_ids=(), tie_word_embeddings=True)
-    dparams = jax.jit(lambda key: M.init_params(stack, key))(jax.random.key(1))
-    dparams = jax.tree.map(lambda x: x.astype(jnp.dtype(args.dtype)), dparams)
+    dparams = random_params(jax.eval_shape(lambda: M.init_params(stack, jax.random.key(1))), jnp.dtype(args.dtype))
     out = {"drafter_layers": dcfg.layer.num_layers, "drafter_gib": tree_bytes(dparams) / 2**30, "k": {}}
     runs = args.steps
     out["decode_s"] = timed_forward(cfg, params, 1, args.max_seq_len, runs)
