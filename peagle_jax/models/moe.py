@@ -181,7 +181,11 @@ class Experts(nn.Module):
         def weights(e, after=None):
             pairs = (gate_up, down)
             if e is not None:
-                pairs = ([jax.lax.dynamic_index_in_dim(a, e, 0, keepdims=False) for a in pair] for pair in pairs)
+                # The expert's bytes copied out first (a barrier keeps the slice out of the unpacking's fusion):
+                # unpacking a contiguous array runs several times faster than through a fused dynamic slice.
+                pairs = jax.lax.optimization_barrier(
+                    [[jax.lax.dynamic_index_in_dim(a, e, 0, keepdims=False) for a in pair] for pair in pairs]
+                )
             elif after is not None:
                 # Unpacking depends on the parameters alone, so XLA's CPU backend unpacks every layer's experts
                 # before the first layer runs and holds them all (GPT-OSS-20B's prefill asked for 87 GB; an
