@@ -22,6 +22,7 @@ from peagle_jax.errors import UserError, comma_ints
 from peagle_jax.loading import (
     DEFAULT_MODEL,
     GeneratorOptions,
+    add_experts_flag,
     build_generator,
     load_tokenizer,
     resolve_model_dir,
@@ -93,14 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         "each decode step slices its selected experts locally, or experts where --tp does not divide the width "
         "(see peagle_jax.sharding)",
     )
-    p.add_argument(
-        "--experts",
-        choices=["auto", "packed", "unpacked"],
-        default="auto",
-        help="a GPT-OSS target's MXFP4 experts: packed = kept as the checkpoint's uint8 blocks and scales (4.25 "
-        "bits per weight; each step unpacks the experts it reads), unpacked = dequantized to --dtype at load; "
-        "auto (default): packed where the checkpoint stores its experts as MXFP4, else unpacked",
-    )
+    add_experts_flag(p)
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument(
         "--drafter",

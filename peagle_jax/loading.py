@@ -157,3 +157,16 @@ def build_generator(opts: GeneratorOptions, model_dir: Path, mesh=None):
     cfg, params = load_target_any(model_dir, dtype=opts.dtype, experts=opts.experts)
     params = _placed(cfg, params, mesh, opts)
     return Generator(cfg, params, max_seq_len=opts.max_seq_len, mesh=mesh, window_buckets=opts.window_buckets)
+
+
+def add_experts_flag(p) -> None:
+    """``--experts`` of the commands that decode (``generate``, ``serve``): how a GPT-OSS target holds its
+    MXFP4 experts (:func:`peagle_jax.models.weights.resolve_experts`)."""
+    p.add_argument(
+        "--experts",
+        choices=["auto", "packed", "unpacked"],
+        default="auto",
+        help="a GPT-OSS target's MXFP4 experts: packed = kept as the checkpoint's uint8 blocks and scales (4.25 "
+        "bits per weight; each step unpacks the experts it reads), unpacked = dequantized to --dtype at load; "
+        "auto (default): packed where the checkpoint stores its experts as MXFP4, else unpacked",
+    )

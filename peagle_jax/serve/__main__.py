@@ -35,6 +35,8 @@ SAGEMAKER_PORT_ENV = "SAGEMAKER_BIND_TO_PORT"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from peagle_jax.loading import add_experts_flag
+
     p = errors.ArgumentParser(
         prog="python -m peagle_jax.serve",
         description="OpenAI-compatible server (completions, chat, streaming, metrics, SageMaker /ping and "
@@ -136,14 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="float32",
         help="weights/compute dtype (default float32)",
     )
-    p.add_argument(
-        "--experts",
-        choices=["auto", "packed", "unpacked"],
-        default="auto",
-        help="a GPT-OSS target's MXFP4 experts: packed = kept as the checkpoint's uint8 blocks and scales (4.25 "
-        "bits per weight; each step unpacks the experts it reads), unpacked = dequantized to --dtype at load; "
-        "auto (default): packed where the checkpoint stores its experts as MXFP4, else unpacked",
-    )
+    add_experts_flag(p)
     p.add_argument(
         "--compile",
         choices=["background", "first"],
