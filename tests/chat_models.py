@@ -151,26 +151,7 @@ VOCAB = {"gpt-oss": 201088, "qwen3": 151936, "qwen3-coder": 151936, "llama3.1": 
 
 def write_chat_drafter(path: Path, kind: str, k: int = 3) -> Path:
     """A random one-layer P-EAGLE drafter for :func:`write_chat_model` of ``kind`` (full vocabulary, sharing
-    the target's embedding; reads the target's first layer)."""
-    import jax
+    the target's embedding; mask token: the last id, which no tokenizer uses)."""
+    from serve_fixtures import write_tiny_drafter
 
-    from peagle_jax.drafter.config import DrafterConfig
-    from peagle_jax.drafter.load import save_drafter
-    from peagle_jax.drafter.model import init_drafter_params
-    from peagle_jax.models.config import ModelConfig
-
-    layer = ModelConfig(
-        family="llama",
-        vocab_size=VOCAB[kind],
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        aux_layer_ids=(0,),
-    )
-    mask = VOCAB[kind] - 1  # an id no tokenizer uses
-    dcfg = DrafterConfig(layer=layer, algorithm="peagle", mask_token_id=mask, own_embedding=False, speculative_tokens=k)
-    save_drafter(path, dcfg, init_drafter_params(dcfg, jax.random.key(3)))
-    return path
+    return write_tiny_drafter(path, k, vocab=VOCAB[kind], mask_token_id=VOCAB[kind] - 1)

@@ -60,8 +60,9 @@ def write_tiny_model(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def write_tiny_drafter(path: Path, k: int = 3) -> Path:
-    """A random P-EAGLE drafter for :func:`write_tiny_model` (shares its embedding, mask token 127)."""
+def write_tiny_drafter(path: Path, k: int = 3, vocab: int = 128, mask_token_id: int = 127) -> Path:
+    """A random one-layer P-EAGLE drafter for :func:`write_tiny_model` (shares its embedding, mask token 127),
+    or for another tiny target of width 64 and vocabulary ``vocab``."""
     import jax
 
     from peagle_jax.drafter.config import DrafterConfig
@@ -71,7 +72,7 @@ def write_tiny_drafter(path: Path, k: int = 3) -> Path:
 
     layer = ModelConfig(
         family="llama",
-        vocab_size=128,
+        vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
         num_layers=1,
@@ -80,7 +81,9 @@ def write_tiny_drafter(path: Path, k: int = 3) -> Path:
         head_dim=16,
         aux_layer_ids=(0,),
     )
-    dcfg = DrafterConfig(layer=layer, algorithm="peagle", mask_token_id=127, own_embedding=False, speculative_tokens=k)
+    dcfg = DrafterConfig(
+        layer=layer, algorithm="peagle", mask_token_id=mask_token_id, own_embedding=False, speculative_tokens=k
+    )
     save_drafter(path, dcfg, init_drafter_params(dcfg, jax.random.key(3)))
     return path
 

@@ -1,9 +1,10 @@
 """Tool calls and reasoning through the server, on tiny random models that carry the real tokenizers and chat
 templates (tests/chat_models.py): Qwen3 (its template, ``<tool_call>`` JSON, ``<think>``) and GPT-OSS
-(harmony), and for forced calls also Qwen3-Coder (XML calls) and Llama 3.1 (JSON calls). Random weights ramble, so a forced ``tool_choice`` shows what the grammar guarantees: the call
-comes first, parses and validates, within a bounded number of tokens; a plain and a speculative server
-(random drafter, every step drafted) give the same tokens and calls; streaming sends the same call in pieces;
-the OpenAI SDK round trip (call, tool result, answer) renders the result into the next prompt."""
+(harmony), and for forced calls also Qwen3-Coder (XML calls) and Llama 3.1 (JSON calls). Random weights
+ramble, so a forced ``tool_choice`` shows what the grammar guarantees: the call comes first, parses and
+validates, within a bounded number of tokens; a plain and a speculative server (random drafter, every step
+drafted) give the same tokens and calls; streaming sends the same call in pieces; the OpenAI SDK round trip
+(call, tool result, answer) renders the result into the next prompt."""
 
 from __future__ import annotations
 

@@ -106,12 +106,12 @@ def plain_decode(gen, prompt: list[int], new_tokens: int) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from peagle_jax.loading import add_experts_flag
+
     p = errors.ArgumentParser(prog="python -m peagle_jax.bench.full_size", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="Hugging Face model directory of a mixture-of-experts target")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="run dtype (default bfloat16)")
-    p.add_argument(
-        "--experts", default="auto", choices=["auto", "packed", "unpacked"], help="MXFP4 experts (default auto)"
-    )
+    add_experts_flag(p)
     p.add_argument("--prompt-len", type=int, default=32, help="random prompt tokens (default 32)")
     p.add_argument("--new-tokens", type=int, default=16, help="tokens decoded per plain run (default 16)")
     p.add_argument("--max-seq-len", type=int, default=256, help="context length (default 256)")

@@ -39,7 +39,7 @@ class ChatFormat:
 
     @property
     def harmony(self) -> bool:
-        return "openai" in (self.tool_parser, self.reasoning_parser) or self.reasoning_parser == "openai_gptoss"
+        return self.tool_parser == "openai" or self.reasoning_parser == "openai_gptoss"
 
     def stop_ids(self) -> tuple[int, ...]:
         """Token ids that end an answer besides the model's own (harmony's ``<|return|>`` and ``<|call|>``)."""
