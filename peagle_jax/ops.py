@@ -85,8 +85,63 @@ def linear(weight, x, in_axes: int = 1, preferred_element_type=None):
     return y_MO.reshape(*lead, *out_shape)
 
 
+def _kernel_order(sx: str, sy: str, out: str) -> str:
+    """x's indices (``sx``) in the order XLA's CPU bf16 kernel takes for the left operand of the product
+    ``sx,sy->out``: batch indices first, then free ones, then summed ones (each group in x's order)."""
+    return "".join(sorted(sx, key=lambda c: 0 if c in sy and c in out else 1 if c in out else 2))
+
+
+def _split_factor(n: int) -> int | None:
+    """A factor f of n with 1 < f < n (8, 4 or 2 if possible); None for 0, 1 and primes."""
+    return next((f for f in (8, 4, 2, *range(3, math.isqrt(n) + 1)) if f < n and n % f == 0), None)
+
+
+def _kept_transpose(x, sx: str, to: str, hi: str, lo: str):
+    """``x`` (indices ``sx``) transposed to ``to`` as a copy that XLA keeps: the largest index that can be is
+    split in two (named ``hi``, ``lo``) around the transpose. XLA folds a plain transpose of a product's operand
+    or result into the product itself, which then loses the bf16 kernel's form; or None if no index splits."""
+    splits = [(n, c, f) for c, n in zip(sx, x.shape, strict=True) if (f := _split_factor(n))]
+    if not splits:
+        return None
+    n, c, f = max(splits)
+    x = x.reshape([m for d, e in zip(sx, x.shape, strict=True) for m in ((n // f, f) if d == c else (e,))])
+    sx2, to2 = sx.replace(c, hi + lo), to.replace(c, hi + lo)
+    y = jnp.transpose(x, [sx2.index(d) for d in to2])
+    return y.reshape([n if d == c else y.shape[to2.index(d)] for d in to])
+
+
+def _product_bf16(spec: str, a, b):
+    """``einsum(spec, a, b)`` of bf16 operands with an fp32 result, in the form XLA's CPU runs on its bf16
+    kernel (YNNPACK): the left operand's indices in :func:`_kernel_order`, the result in the order the kernel
+    writes it (batch, the left operand's free indices, the right's). Outside that form XLA converts both
+    operands to f32 and computes the product in f32, 3-5x slower. The gradient products of a linear layer
+    and of attention sum over the rows, which puts no operand in the form: the smaller one is copied into it
+    (:func:`_kept_transpose`), and the result too where its order differs (at most weight-sized)."""
+    ins, out = spec.split("->")
+    sa, sb = ins.split(",")
+    if not any(c in sb and c not in out for c in sa):
+        return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+    if (
+        _kernel_order(sa, sb, out) != sa
+        and _kernel_order(sb, sa, out) == sb
+        or (_kernel_order(sa, sb, out) != sa and _kernel_order(sb, sa, out) != sb and a.size > b.size)
+    ):
+        a, b, sa, sb = b, a, sb, sa
+    plain = functools.partial(jnp.einsum, f"{sa},{sb}->{out}", a, b, preferred_element_type=jnp.float32)
+    hi, lo = [c for c in "abcdefghijklmnopqrstuvwxyz" if c not in spec][:2]
+    order = _kernel_order(sa, sb, out)
+    if order != sa and (a := _kept_transpose(a, sa, order, hi, lo)) is None:
+        return plain()  # no index splits (all extents 1 or prime): left to XLA
+    natural = "".join(c for c in order if c in out) + "".join(c for c in sb if c in out and c not in sa)
+    y = jnp.einsum(f"{order},{sb}->{natural}", a, b, preferred_element_type=jnp.float32)
+    if natural == out:
+        return y
+    y = _kept_transpose(y, natural, out, hi, lo)
+    return plain() if y is None else y
+
+
 def _einsum_bf16_fwd(spec, a, b):
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32), (a, b)
+    return _product_bf16(spec, a, b), (a, b)
 
 
 def _einsum_bf16_bwd(spec, res, g):
@@ -94,14 +149,14 @@ def _einsum_bf16_bwd(spec, res, g):
     ins, out = spec.split("->")
     sa, sb = ins.split(",")
     g = g.astype(a.dtype)  # the cotangent of a bf16 computation, rounded as its value was
-    da = jnp.einsum(f"{out},{sb}->{sa}", g, b, preferred_element_type=jnp.float32)
-    db = jnp.einsum(f"{out},{sa}->{sb}", g, a, preferred_element_type=jnp.float32)
+    da = _product_bf16(f"{out},{sb}->{sa}", g, b)
+    db = _product_bf16(f"{out},{sa}->{sb}", g, a)
     return da.astype(a.dtype), db.astype(b.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _einsum_bf16(spec, a, b):
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+    return _product_bf16(spec, a, b)
 
 
 _einsum_bf16.defvjp(_einsum_bf16_fwd, _einsum_bf16_bwd)
@@ -112,11 +167,11 @@ def einsum_f32(spec: str, a, b):
     operand also appears in the other operand or in the output (no index summed out of one operand alone).
 
     With bf16 operands the product and both products of its gradient take bf16 operands and accumulate in
-    f32, the form XLA's CPU hands to its bf16 library kernel (YNNPACK); the cotangent is rounded to bf16 first,
-    as the value it belongs to was. Left to autodiff, the gradient products would pair an f32 cotangent
-    with a bf16 operand, which XLA computes in f32; and a bf16 product with a bf16 result, as the forward
-    used to be written, is computed in f32 too (measured in a drafter training step: every product in f32,
-    no faster than an fp32 step). Other dtypes: plain ``jnp.einsum`` with an fp32 result, autodiff as usual.
+    f32, each laid out in the form XLA's CPU hands to its bf16 library kernel (YNNPACK; :func:`_product_bf16`);
+    the cotangent is rounded to bf16 first, as the value it belongs to was. Left to autodiff, the gradient
+    products would pair an f32 cotangent with a bf16 operand, which XLA computes in f32; and a bf16 product
+    with a bf16 result is computed in f32 too (measured in a drafter training step: every product in f32, no
+    faster than an fp32 step). Other dtypes: plain ``jnp.einsum`` with an fp32 result, autodiff as usual.
     """
     if a.dtype == jnp.bfloat16 and b.dtype == jnp.bfloat16:
         return _einsum_bf16(spec, a, b)

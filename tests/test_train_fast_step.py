@@ -187,3 +187,34 @@ def test_einsum_f32_bf16_gradient_is_the_rounded_products():
     np.testing.assert_allclose(np.asarray(y), a32 @ b32.T, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(da, np.float32), g16 @ b32, rtol=1e-2, atol=1e-2)
     np.testing.assert_allclose(np.asarray(db, np.float32), g16.T @ a32, rtol=1e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize(
+    "spec, shape_a, shape_b",
+    [
+        ("MI,OI->MO", (24, 16), (40, 16)),  # a linear layer: its weight gradient sums over the rows
+        ("BGMH,BGCH->BGMC", (2, 3, 20, 8), (2, 3, 12, 8)),  # attention scores
+        ("BGMC,BGCH->BGMH", (2, 3, 20, 12), (2, 3, 12, 8)),  # attention output
+        ("MI,OI->MO", (21, 16), (40, 16)),  # an odd row count (21 = 3 x 7)
+        ("MI,OI->MO", (23, 16), (41, 16)),  # a prime row count, and a prime output width
+        ("MI,OI->MO", (1, 16), (5, 16)),  # one row
+        ("MI,OI->MO", (13, 7), (11, 7)),  # every extent prime: left to XLA
+    ],
+)
+def test_einsum_f32_bf16_products_in_every_form(spec, shape_a, shape_b):
+    """Forward and both gradients of a bf16 ``einsum_f32`` equal the float64 products of the bf16 values (the
+    cotangent rounded to bf16) to f32 accumulation, whichever operand is copied into the kernel's form."""
+    rng = np.random.default_rng(1)
+    a = jnp.asarray(rng.standard_normal(shape_a), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(shape_b), jnp.bfloat16)
+    y, vjp = jax.jit(lambda a, b: jax.vjp(lambda a, b: ops.einsum_f32(spec, a, b), a, b))(a, b)
+    g = jnp.asarray(rng.standard_normal(y.shape), jnp.float32)
+    da, db = jax.jit(vjp)(g)
+    ins, out = spec.split("->")
+    sa, sb = ins.split(",")
+    a64, b64, g64 = (np.asarray(x, np.float64) for x in (a, b, g.astype(jnp.bfloat16)))
+    np.testing.assert_allclose(np.asarray(y), np.einsum(spec, a64, b64), rtol=1e-5, atol=1e-5)
+    for got, want in ((da, np.einsum(f"{out},{sb}->{sa}", g64, b64)), (db, np.einsum(f"{out},{sa}->{sb}", g64, a64))):
+        assert got.dtype == jnp.bfloat16
+        # the f32 sum rounded to bf16: within one bf16 rounding (2^-8 relative) of the exact sum
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2**-8, atol=1e-5)
