@@ -29,6 +29,13 @@ def test_the_full_size_bench_reports_every_part(tmp_path):
     assert r["warm"]["decode_tokens_per_s"] > 0 and r["cold"]["first_token_s"] > r["warm"]["first_token_s"]
     step = r["decode_step"]
     assert step["bytes_accessed"] > step["active_bound_bytes"] > 0  # the bound is what a step reads at least
+    # the weights it reads: the bound (the selected experts only), plus small arrays that more than one fusion reads
+    assert step["active_bound_bytes"] <= step["weight_bytes_read"] < 1.05 * step["active_bound_bytes"]
+    assert step["cache_bytes_read"] > 0
     assert set(r["spec"]["k"]) == {"2"} and r["spec"]["k"]["2"]["step_over_plain"] > 0
     assert r["peak_rss_gib"] >= r["rss_after_load_gib"] > 0
     assert main([*argv[:2], "--k", "0"]) == 2  # a bad flag is one error line
+    only = tmp_path / "bytes.json"
+    assert main([*argv[:2], "--bytes-only", "--json", str(only)]) == 0  # from the config alone: the same step
+    bytes_only = json.loads(only.read_text())["decode_step"]
+    assert bytes_only.pop("experts") == "packed" and bytes_only == {k: v for k, v in step.items() if k != "read_gib_s"}

@@ -9,9 +9,11 @@ process and in this order:
 2. **plain greedy decoding** of ``--new-tokens`` tokens after a random ``--prompt-len``-token prompt: the
    seconds to the first token (prefill, compiles included) and the decode tokens per second, timed on a
    second run (compiled);
-3. **bytes per decode step**: XLA's cost analysis of the compiled one-token forward (the bytes it accesses)
-   against the active-parameter bound (what one token must read at least: every non-expert weight, one
-   embedding row, the router, and ``top_k`` of E experts per sparse layer, as the experts are held);
+3. **bytes per decode step** of the compiled one-token forward: the bytes it reads of the weights and of
+   the cache, counted from the optimized HLO (:mod:`peagle_jax.bench.hlo_reads`), and XLA's cost analysis
+   (bytes accessed, temporaries included), against the active-parameter bound (what one token must read at
+   least: every non-expert weight, one embedding row, the router, and ``top_k`` of E experts per sparse layer,
+   as the experts are held); ``--bytes-only`` computes just this, from the config's shapes;
 4. **speculative step cost**, for a chain of each ``--k``: the target's verify of K + 1 tokens plus the
    drafter's one parallel pass over K tokens, over the target's decode step; the drafter has the released
    drafter's shape for the target (:mod:`peagle_jax.neuron.targets`: for GPT-OSS-20B 4 Llama layers at
@@ -54,7 +56,7 @@ def tree_bytes(tree) -> int:
 
 def active_bound_bytes(cfg, params) -> int:
     """Bytes one decoded token must read at least: every weight but the embedding and the experts, one
-    embedding row, and ``top_k`` of E experts' weights in each sparse layer (as they are held)."""
+    embedding row, and ``top_k`` of E experts' weights and biases in each sparse layer (as they are held)."""
     import jax
 
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
@@ -66,7 +68,7 @@ def active_bound_bytes(cfg, params) -> int:
         if "embed_tokens" in name:
             embed_row = n // x.shape[0]
             continue
-        if "/experts/" in name and "bias" not in name:
+        if "/experts/" in name:
             expert += n
             continue
         total += n
@@ -74,11 +76,16 @@ def active_bound_bytes(cfg, params) -> int:
     return total + embed_row + (expert * m.top_k // m.num_experts if m is not None else expert)
 
 
-def decode_bytes(cfg, params, max_seq_len: int) -> float:
-    """XLA's ``bytes accessed`` of the compiled forward of one token against a cache of ``max_seq_len``."""
+def decode_bytes(cfg, params, max_seq_len: int) -> dict:
+    """What the compiled forward of one token against a cache of ``max_seq_len`` reads: XLA's ``bytes
+    accessed`` (every fusion operand at its full size, temporaries included: an upper bound), and the bytes
+    it reads of the weights and of the cache, counted from the optimized HLO
+    (:func:`peagle_jax.bench.hlo_reads.input_reads`: a sliced or gathered expert at the slice). ``params``
+    may be abstract (``jax.ShapeDtypeStruct`` leaves): only the shapes are compiled."""
     import jax
     import jax.numpy as jnp
 
+    from peagle_jax.bench.hlo_reads import input_reads
     from peagle_jax.models import model as M
 
     cache = jax.eval_shape(lambda: M.new_cache(cfg, 1, max_seq_len))
@@ -88,7 +95,24 @@ def decode_bytes(cfg, params, max_seq_len: int) -> float:
     compiled = forward.lower(params, cache, tokens, start, cfg=cfg).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    return float(cost.get("bytes accessed", 0.0))
+    reads = input_reads(compiled.as_text())
+    return {
+        "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+        "weight_bytes_read": sum(v for k, v in reads.items() if k.startswith("params")),
+        "cache_bytes_read": sum(v for k, v in reads.items() if k.startswith("cache")),
+    }
+
+
+def decode_step(cfg, params, max_seq_len: int) -> dict:
+    """The ``decode_step`` entry of the results: :func:`decode_bytes` against the active-parameter bound."""
+    step = decode_bytes(cfg, params, max_seq_len)
+    bound = active_bound_bytes(cfg, params)
+    return {
+        **step,
+        "active_bound_bytes": bound,
+        "over_bound": step["bytes_accessed"] / bound,
+        "weights_read_over_bound": step["weight_bytes_read"] / bound,
+    }
 
 
 def plain_decode(gen, prompt: list[int], new_tokens: int) -> dict:
@@ -119,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter-layers", type=int, default=4, help="layers of the random drafter (default 4)")
     p.add_argument("--steps", type=int, default=3, help="timed runs of each forward (default 3)")
     p.add_argument("--skip-spec", action="store_true", help="no speculative part")
+    p.add_argument(
+        "--bytes-only",
+        action="store_true",
+        help="only the bytes per decode step, compiled from the config's shapes (no weights loaded, nothing run)",
+    )
     p.add_argument("--json", help="also write the results to this JSON file")
     return p
 
@@ -155,6 +184,8 @@ def run(args, ks: list[int]) -> dict:
     from peagle_jax.loading import resolve_model_dir
 
     out: dict = {"model": args.model, "dtype": args.dtype, "platform": jax.devices()[0].platform}
+    if args.bytes_only:
+        return {**out, "decode_step": bytes_only(args)}
     model_dir = resolve_model_dir(args.model)
     t0 = time.perf_counter()
     cfg, params = load_target_any(model_dir, dtype=args.dtype, experts=args.experts)
@@ -173,16 +204,27 @@ def run(args, ks: list[int]) -> dict:
     out["startup_s"] = out["load_s"] + out["cold"]["first_token_s"]
     print(f"plain: {out['warm']['decode_tokens_per_s']:.3f} tokens/s", file=sys.stderr)
 
-    bound = active_bound_bytes(cfg, params)
-    accessed = decode_bytes(cfg, params, args.max_seq_len)
-    out["decode_step"] = {"bytes_accessed": accessed, "active_bound_bytes": bound, "over_bound": accessed / bound}
-    out["decode_step"]["bandwidth_gib_s"] = accessed * out["warm"]["decode_tokens_per_s"] / 2**30
+    out["decode_step"] = decode_step(cfg, params, args.max_seq_len)
+    read = out["decode_step"]["weight_bytes_read"] + out["decode_step"]["cache_bytes_read"]
+    out["decode_step"]["read_gib_s"] = read * out["warm"]["decode_tokens_per_s"] / 2**30
     out["rss_before_spec_gib"] = rss_gib()
 
     if not args.skip_spec:
         out["spec"] = spec_costs(args, cfg, params, ks)
     out["peak_rss_gib"] = peak_rss_gib()
     return out
+
+
+def bytes_only(args) -> dict:
+    """:func:`decode_step` from the model's config alone: its parameters' shapes, no weights loaded."""
+    import jax
+
+    from peagle_jax.loading import target_config
+    from peagle_jax.models import model as M
+
+    cfg = target_config(args.model, args.dtype, experts=args.experts)
+    params = jax.eval_shape(lambda: M.init_params(cfg, jax.random.key(0)))
+    return {"experts": cfg.moe.experts if cfg.moe is not None else None, **decode_step(cfg, params, args.max_seq_len)}
 
 
 def random_params(shapes, dtype, seed: int = 1, chunk: int = 1 << 22):
