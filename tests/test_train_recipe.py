@@ -241,3 +241,31 @@ def test_card_names_the_prompts_used():
     assert _data_lines(info)[0] == "- prompts: sharegpt (all salvaged prompts; longer than 384 tokens skipped)"
     info["recipe"]["data"]["max_prompts"] = 6000
     assert _data_lines(info)[0] == "- prompts: sharegpt (first 6000 salvaged prompts; longer than 384 tokens skipped)"
+
+
+def test_a_second_run_trains_on_the_first_run_s_data(tmp_path):
+    """``data.from_run``: an EAGLE-3 run reads a P-EAGLE run's regenerated answers and feature cache (the
+    baseline on the same data), writing nothing into either; a directory that is not a run is one error."""
+    common = ["--config", str(TINY), "data.max_prompts=16", "optim.total_steps=6", "optim.save_every=6"]
+    common += ["run.eval_every=6", "run.progress=false", "run.tensorboard=false"]
+    first = tmp_path / "peagle"
+    proc = _run("train/train.py", "--output", str(first), *common, "--until", "features")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = [p for p in first.rglob("*") if p.is_file() and p.relative_to(first).parts[0] in ("regen", "features")]
+    stamps = {p: p.stat().st_mtime_ns for p in data}
+    assert any("shard-" in p.name for p in data) and any("hidden-" in p.name for p in data)
+
+    second = tmp_path / "eagle3"
+    proc = _run("train/train.py", "--output", str(second), *common, "optim.objective=eagle3", f"data.from_run={first}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"data: the answers and features of {first}" in proc.stderr
+    assert not (second / "regen").exists() and not (second / "features").exists()
+    assert {p: p.stat().st_mtime_ns for p in data} == stamps
+    assert (second / "drafter" / "config.json").exists()
+    keys = ("responses", "response_tokens", "rows")
+    a, b = ([json.loads((d / "vocab.json").read_text())[k] for k in keys] for d in (first, second))
+    assert a == b  # the same answers, packed into the same rows
+
+    proc = _run("train/train.py", "--output", str(tmp_path / "bad"), *common, f"data.from_run={tmp_path / 'nothing'}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: data.from_run ")

@@ -45,7 +45,8 @@ def collect(run: Path) -> dict:
     recipe = json.loads((run / "run.json").read_text())
     vocab = json.loads((run / "vocab.json").read_text())
     summary = json.loads((run / "summary.json").read_text())
-    shards = sorted((run / "regen").glob("shard-*.jsonl"))
+    data = Path(recipe["data"].get("from_run") or run)  # another run's answers and features (data.from_run)
+    shards = sorted((data / "regen").glob("shard-*.jsonl"))
     if "responses" in vocab:  # recorded since data.responses=dataset (no shards to count)
         responses, response_tokens = vocab["responses"], vocab["response_tokens"]
     else:
@@ -58,8 +59,8 @@ def collect(run: Path) -> dict:
         "summary": summary,
         "responses": responses,
         "response_tokens": response_tokens,
-        "regen_s": _span_s(run / "regen" / "regen.json", shards),
-        "features_s": _span_s(run / "features" / "features.json", list((run / "features").glob("hidden-*.npy"))),
+        "regen_s": _span_s(data / "regen" / "regen.json", shards),
+        "features_s": _span_s(data / "features" / "features.json", list((data / "features").glob("hidden-*.npy"))),
         "eval": evals[-1] if evals else None,
         "eval_curve": [(e["step"], e["loss"], e["acc_K"][0]) for e in evals],
     }

@@ -260,6 +260,20 @@ def evaluate(state, data: TrainData, head, embed, *, dcfg, tcfg, K, batches: int
 STAGES = ("data", "features", "train")
 
 
+def shared_data(recipe: Recipe, out: Path, log) -> Path:
+    """Where this run's regenerated answers and feature cache live: ``data.from_run`` (another run's
+    directory, which must exist) or the run's own directory."""
+    if not recipe.data.from_run:
+        return out
+    root = Path(recipe.data.from_run)
+    if not (root / "run.json").exists():
+        raise ConfigError(f"data.from_run {recipe.data.from_run!r}: not a training run directory (no run.json)")
+    if root.resolve() == out.resolve():
+        raise ConfigError("data.from_run: names this run's own output directory")
+    log(f"data: the answers and features of {root}")
+    return root
+
+
 def run(recipe: Recipe, output: str | Path, *, log=print, until: str = "train") -> dict:
     """Run (or resume) the pipeline into ``output`` up to stage ``until`` (:data:`STAGES`: ``data`` stops
     after the regenerated or dataset answers, ``features`` after the feature cache too); returns a summary
@@ -295,11 +309,12 @@ def run(recipe: Recipe, output: str | Path, *, log=print, until: str = "train") 
         f"target: {source} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
         f"features in {cfg.dtype})"
     )
+    data_root = shared_data(recipe, out, log)
     if recipe.data.responses == "dataset":
         records = dataset_records(recipe, cfg, tokenizer, log)
     else:
         records = meshlib.primary_first(
-            "regeneration", lambda: regenerated_records(recipe, out, cfg, params, tokenizer, log)
+            "regeneration", lambda: regenerated_records(recipe, data_root, cfg, params, tokenizer, log)
         )
 
     if until == "data":
@@ -365,7 +380,7 @@ def run(recipe: Recipe, output: str | Path, *, log=print, until: str = "train") 
                     params,
                     cfg,
                     rows,
-                    out / "features",
+                    data_root / "features",
                     dtype=bc.feature_dtype,
                     chunk_rows=bc.batch_size,
                     progress=recipe.run.progress,
@@ -375,7 +390,8 @@ def run(recipe: Recipe, output: str | Path, *, log=print, until: str = "train") 
     else:
         source_kw = dict(target=(params, cfg))
     if until == "features":
-        log(f"features ready: {stats['rows']} rows" + (f" in {out / 'features'}" if bc.features == "cached" else ""))
+        where = f" in {data_root / 'features'}" if bc.features == "cached" else ""
+        log(f"features ready: {stats['rows']} rows{where}")
         return {"stage": until, "rows": stats["rows"]}
     train = TrainData(rows, train_ids, seed=tcfg.seed, **common, **source_kw)
     held = TrainData(rows, eval_ids, seed=tcfg.seed + 1, **common, **source_kw) if len(eval_ids) else None

@@ -34,7 +34,11 @@ class DataConfig:
     over that many rows (:mod:`peagle_jax.train.slot_regen`) instead of batches of ``regen_batch``;
     ``regen_dtype`` is the target's dtype while it regenerates. ``turns``: ``first`` (each conversation's
     first user turn) or ``all`` (every user turn, with the conversation before it). ``extra_temperatures``:
-    comma-separated temperatures at which every prompt is answered again, sampled, into ``regen-tT/``."""
+    comma-separated temperatures at which every prompt is answered again, sampled, into ``regen-tT/``.
+    ``from_run``: the directory of another run whose regenerated answers (``regen*/``) and feature cache
+    (``features/``) this run uses instead of its own, so that two drafters (P-EAGLE and its EAGLE-3
+    baseline) train on the same data; the shards' prompt digests and the cache's row digest refuse data that
+    differs. Not while that run is still writing them."""
 
     prompts: str = "sharegpt"
     responses: str = "regenerate"
@@ -50,6 +54,7 @@ class DataConfig:
     regen_dtype: str = "float32"
     turns: str = "first"
     extra_temperatures: str = ""
+    from_run: str = ""
 
     @property
     def temperatures(self) -> list[float]:
