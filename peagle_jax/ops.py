@@ -116,16 +116,14 @@ def _product_bf16(spec: str, a, b):
     writes it (batch, the left operand's free indices, the right's). Outside that form XLA converts both
     operands to f32 and computes the product in f32, 3-5x slower. The gradient products of a linear layer
     and of attention sum over the rows, which puts no operand in the form: the smaller one is copied into it
-    (:func:`_kept_transpose`), and the result too where its order differs (at most weight-sized)."""
+    (:func:`_kept_transpose`), and the result too where its order differs (at most weight-sized). Other
+    backends (TPU, GPU) choose product layouts themselves: there the product is left as written."""
     ins, out = spec.split("->")
     sa, sb = ins.split(",")
-    if not any(c in sb and c not in out for c in sa):
+    if jax.default_backend() != "cpu" or not any(c in sb and c not in out for c in sa):
         return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
-    if (
-        _kernel_order(sa, sb, out) != sa
-        and _kernel_order(sb, sa, out) == sb
-        or (_kernel_order(sa, sb, out) != sa and _kernel_order(sb, sa, out) != sb and a.size > b.size)
-    ):
+    a_fits, b_fits = _kernel_order(sa, sb, out) == sa, _kernel_order(sb, sa, out) == sb
+    if not a_fits and (b_fits or a.size > b.size):
         a, b, sa, sb = b, a, sb, sa
     plain = functools.partial(jnp.einsum, f"{sa},{sb}->{out}", a, b, preferred_element_type=jnp.float32)
     hi, lo = [c for c in "abcdefghijklmnopqrstuvwxyz" if c not in spec][:2]
