@@ -29,7 +29,6 @@ ITEMSIZE = {
 _ARRAY = re.compile(r"^(\w+)\[([\d,]*)\]")
 _CALLS = re.compile(r"\bcalls=%([\w.\-]+)")
 _NAME = re.compile(r"%([\w.\-]+)")
-_PARAM = re.compile(r"\bparameter\((\d+)\)")
 _PASS = ("bitcast", "reshape", "get-tuple-element")
 _SLICES = ("dynamic-slice", "slice", "gather")
 _FUSED_PASS = ("convert", "bitcast-convert", "copy", "transpose")
@@ -61,35 +60,33 @@ def array_bytes(shape: str) -> int:
     return ITEMSIZE[m[1]] * math.prod(int(d) for d in m[2].split(",") if d)
 
 
+def _closing(text: str, depth: int = 0) -> int:
+    """The index just past the parenthesis of ``text`` that closes ``depth`` already open ones (0: the
+    first one opened in ``text``)."""
+    for i, ch in enumerate(text):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0:
+            return i + 1
+    return len(text)
+
+
 def _split_instr(line: str) -> Instr | None:
     """One instruction line: ``[ROOT ]%name = SHAPE opcode(operands), attributes``."""
     m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (.*)$", line)
     if not m:
         return None
     name, rest = m[1], m[2]
-    if rest.startswith("("):  # a tuple shape: up to its closing parenthesis
-        depth = 0
-        end = 0
-        for end, ch in enumerate(rest):  # noqa: B007 (end is read after the loop)
-            depth += ch == "("
-            depth -= ch == ")"
-            if depth == 0:
-                break
-        shape, rest = rest[: end + 1], rest[end + 2 :]
+    if rest.startswith("("):  # a tuple shape
+        end = _closing(rest)
+        shape, rest = rest[:end], rest[end + 1 :]
     else:
         shape, _, rest = rest.partition(" ")
     op, _, rest = rest.partition("(")
-    depth, i = 1, 0
-    while i < len(rest) and depth:
-        depth += rest[i] == "("
-        depth -= rest[i] == ")"
-        i += 1
-    operands, attrs = rest[: i - 1], rest[i:]
+    end = _closing(rest, 1)
+    operands, attrs = rest[: end - 1], rest[end:]
     calls = _CALLS.search(attrs)
-    param = _PARAM.match(f"{op}({operands})") if op == "parameter" else None
-    return Instr(
-        name, shape, op, _NAME.findall(operands), calls[1] if calls else None, int(param[1]) if param else None
-    )
+    param = int(operands) if op == "parameter" and operands.isdigit() else None
+    return Instr(name, shape, op, _NAME.findall(operands), calls[1] if calls else None, param)
 
 
 def parse(hlo_text: str) -> tuple[dict[str, Computation], str]:
