@@ -265,6 +265,11 @@ def test_a_second_run_trains_on_the_first_run_s_data(tmp_path):
     keys = ("responses", "response_tokens", "rows")
     a, b = ([json.loads((d / "vocab.json").read_text())[k] for k in keys] for d in (first, second))
     assert a == b  # the same answers, packed into the same rows
+    proc = _run("-m", "peagle_jax.train.card", str(second), "--drafter", str(second / "drafter"), "--command", "x")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = (second / "drafter" / "README.md").read_text()
+    assert f"(greedy, at most 32 tokens): {a[0]} responses" in text
+    assert f"the answers and features of the run `{first}`" in text
 
     proc = _run("train/train.py", "--output", str(tmp_path / "bad"), *common, f"data.from_run={tmp_path / 'nothing'}")
     assert proc.returncode == 2
