@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -333,8 +332,10 @@ def attention(q_BTNH, k_BGSH, v_BGSH, visible_BTS, form: str | None = None, sink
     (``python -m peagle_jax.bench.attention``, docs/bench/attention/README.md): 0.46-0.94x the time of
     ``q @ K^T`` in fp32 and 0.31-0.59x in bf16, windows of 256 to 2048 slots.
     """
-    if isinstance(visible_BTS, ChainVisibility):
-        return chain_attention(q_BTNH, k_BGSH, v_BGSH, visible_BTS)
+    from peagle_jax import chain_attention as chain  # imported here: that module builds on this one
+
+    if isinstance(visible_BTS, chain.ChainVisibility):
+        return chain.chain_attention(q_BTNH, k_BGSH, v_BGSH, visible_BTS)
     B, T, N, H = q_BTNH.shape
     G = k_BGSH.shape[1]
     J = N // G
@@ -374,68 +375,6 @@ def attention(q_BTNH, k_BGSH, v_BGSH, visible_BTS, form: str | None = None, sink
         precision = EXACT if M <= SMALL_ROWS else None
         out_BGJTH = jnp.einsum("BGJTS,BGSH->BGJTH", probs_BGJTS, v_BGSH, precision=precision)
     return jnp.transpose(out_BGJTH, (0, 3, 1, 2, 4)).reshape(B, T, N, H)
-
-
-class ChainVisibility(NamedTuple):
-    """A visibility of T new queries over their own T slots (start 0) made of a dense prefix and a few
-    gathered slots: query t sees prefix slot c < C iff ``prefix_BTC[b, t, c]``, and slot ``chain_BTE[b, t, e]``
-    iff ``chain_ok_BTE[b, t, e]``; no other slot. The chain slots must lie at or beyond C (never counted
-    twice). P-EAGLE training's element mask has this form (:func:`peagle_jax.train.objective.element_visibility`):
-    the depth-0 elements up to the query's anchor, then the query's own chain of at most K - 1 mask elements.
-    Passed to :func:`attention` in place of a boolean mask, it costs ``T * (C + E)`` scores instead of ``T * T``.
-    """
-
-    prefix_BTC: jax.Array  # bool
-    chain_BTE: jax.Array  # int32 slot indices
-    chain_ok_BTE: jax.Array  # bool
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        """The shape of the dense [B, T, T] mask it stands for (the attention window is this call's T slots)."""
-        B, T, _ = self.prefix_BTC.shape
-        return (B, T, T)
-
-
-def chain_attention(q_BTNH, k_BGSH, v_BGSH, vis: ChainVisibility):
-    """:func:`attention` under a :class:`ChainVisibility`: scores over the C prefix slots as one product per
-    row and kv head, over the E gathered chain slots per query, one softmax in fp32 over both. The products
-    go through :func:`einsum_f32` (bf16 operands: the bf16 kernel, backward too); the E chain slots' in the
-    layout [B, T, G, ...], so that they are plain batched products (written as broadcast multiply-and-sum, or
-    with the J heads anywhere but next to H, XLA materialises them J times and the step costs ~20% more)."""
-    B, T, N, H = q_BTNH.shape
-    G, C, E = k_BGSH.shape[1], vis.prefix_BTC.shape[2], vis.chain_BTE.shape[2]
-    J = N // G
-    dt = k_BGSH.dtype
-    q_BGMH = jnp.transpose(q_BTNH.reshape(B, T, G, J, H), (0, 2, 3, 1, 4)).reshape(B, G, J * T, H).astype(dt)
-    scale = 1.0 / math.sqrt(H)
-    prefix_BGJTC = einsum_f32("BGMH,BGCH->BGMC", q_BGMH, k_BGSH[:, :, :C]).reshape(B, G, J, T, C) * scale
-    prefix_BGJTC = jnp.where(vis.prefix_BTC[:, None, None], prefix_BGJTC, MASK_VALUE)
-    max_BGJT = jnp.max(prefix_BGJTC, axis=-1)
-    if E:  # the chain, in the layout [B, T, G, ...]: per query a [J, H] x [H, E] product, batched over (B, T, G)
-        idx_BR11 = vis.chain_BTE.reshape(B, T * E, 1, 1).astype(jnp.int32)
-        gather = lambda x: jnp.take_along_axis(jnp.transpose(x, (0, 2, 1, 3)), idx_BR11, axis=1)  # noqa: E731
-        k_BTGEH = jnp.transpose(gather(k_BGSH).reshape(B, T, E, G, H), (0, 1, 3, 2, 4)).astype(jnp.float32)
-        v_BTGEH = jnp.transpose(gather(v_BGSH).reshape(B, T, E, G, H), (0, 1, 3, 2, 4)).astype(jnp.float32)
-        q_BTGJH = q_BTNH.reshape(B, T, G, J, H).astype(dt).astype(jnp.float32)
-        chain_BTGJE = jnp.einsum("BTGJH,BTGEH->BTGJE", q_BTGJH, k_BTGEH) * scale
-        chain_BGJTE = jnp.transpose(chain_BTGJE, (0, 2, 3, 1, 4))
-        chain_BGJTE = jnp.where(vis.chain_ok_BTE[:, None, None], chain_BGJTE, MASK_VALUE)
-        max_BGJT = jnp.maximum(max_BGJT, jnp.max(chain_BGJTE, axis=-1))
-    # One softmax over prefix and chain together, in fp32 (the max is a constant of the gradient).
-    max_BGJT1 = jax.lax.stop_gradient(max_BGJT)[..., None]
-    exp_BGJTC = jnp.exp(prefix_BGJTC - max_BGJT1)
-    sum_BGJT = jnp.sum(exp_BGJTC, axis=-1)
-    if E:
-        exp_BGJTE = jnp.exp(chain_BGJTE - max_BGJT1)
-        sum_BGJT = sum_BGJT + jnp.sum(exp_BGJTE, axis=-1)
-    inv_BGJT1 = (1.0 / sum_BGJT)[..., None]
-    p_BGMC = (exp_BGJTC * inv_BGJT1).astype(dt).reshape(B, G, J * T, C)
-    out_BGJTH = einsum_f32("BGMC,BGCH->BGMH", p_BGMC, v_BGSH[:, :, :C]).reshape(B, G, J, T, H)
-    out_BTGJH = jnp.transpose(out_BGJTH, (0, 3, 1, 2, 4))
-    if E:
-        p_BTGJE = jnp.transpose((exp_BGJTE * inv_BGJT1).astype(dt).astype(jnp.float32), (0, 3, 1, 2, 4))
-        out_BTGJH = out_BTGJH + jnp.einsum("BTGJE,BTGEH->BTGJH", p_BTGJE, v_BTGEH)
-    return out_BTGJH.astype(dt).reshape(B, T, N, H)
 
 
 def argmax_first(x, axis: int = -1):

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from test_train_loop import LAYER as ONE_LAYER
 
-from peagle_jax import ops
+from peagle_jax import chain_attention, ops
 from peagle_jax.bench.train import reference_loss
+from peagle_jax.chain_attention import ChainVisibility
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.model import init_drafter_params
 from peagle_jax.train.cod import cod_batch, max_elements
@@ -70,7 +71,7 @@ def _batch(seed) -> tuple[PEagleBatch, jax.Array]:
     return jax.tree.map(jnp.asarray, batch), head
 
 
-def _dense(vis: ops.ChainVisibility) -> np.ndarray:
+def _dense(vis: ChainVisibility) -> np.ndarray:
     """The [B, Y, Y] boolean mask a ChainVisibility stands for."""
     prefix, chain, ok = (np.asarray(x) for x in vis)
     b, y = prefix.shape[:2]
@@ -96,17 +97,44 @@ def test_element_visibility_equals_element_mask(seed):
         np.testing.assert_array_equal(_dense(element_visibility(*args, num_depths=K)), np.asarray(element_mask(*args)))
 
 
-def test_chain_attention_equals_dense_attention():
+@pytest.mark.parametrize("tiles", [1, 3, 7])
+def test_chain_attention_and_its_gradient_equal_dense_attention(tiles, monkeypatch):
+    """Forward and hand-written gradient (fp32, 1e-5) against dense attention under autodiff: untiled, in 3
+    query tiles (Y = 406 queries, padded to 408) and in 7."""
+    assert Y % 3 and not Y % 7
     batch, _ = _batch(5)
     vis = element_visibility(batch.anchor_BY, batch.depth_BY, batch.valid_BY, batch.document_ids_BT, num_depths=K)
+    N, C = 4, vis.prefix_BTC.shape[2]
+    monkeypatch.setattr(chain_attention, "TILE_SCORES", -(-B * Y * N * C // tiles))
+    assert chain_attention.num_tiles(B, Y, N, C) == tiles
     rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.standard_normal((B, Y, 4, 8)).astype(np.float32))
+    q = jnp.asarray(rng.standard_normal((B, Y, N, 8)).astype(np.float32))
     k, v = (jnp.asarray(rng.standard_normal((B, 2, Y, 8)).astype(np.float32)) for _ in range(2))
     dense = jnp.asarray(_dense(vis))
     usable = np.asarray(dense.any(axis=-1))  # rows that see nothing differ (uniform over other slots): unused
-    want = ops.attention(q, k, v, dense, form="q @ K^T")
-    got = ops.attention(q, k, v, vis)
+    dout = jnp.asarray(rng.standard_normal(q.shape).astype(np.float32) * usable[:, :, None, None])
+    want, want_vjp = jax.vjp(lambda q, k, v: ops.attention(q, k, v, dense, form="q @ K^T"), q, k, v)
+    got, got_vjp = jax.vjp(lambda q, k, v: ops.attention(q, k, v, vis), q, k, v)
     np.testing.assert_allclose(np.asarray(got)[usable], np.asarray(want)[usable], rtol=1e-5, atol=1e-6)
+    for g, w in zip(got_vjp(dout), want_vjp(dout), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def test_chain_attention_bf16_gradient_within_bf16_rounding_of_fp32():
+    """In bf16 the tiled attention and its gradient stay within a few bf16 roundings of the fp32 result."""
+    batch, _ = _batch(6)
+    vis = element_visibility(batch.anchor_BY, batch.depth_BY, batch.valid_BY, batch.document_ids_BT, num_depths=K)
+    rng = np.random.default_rng(1)
+    args = [rng.standard_normal(s).astype(np.float32) for s in ((B, Y, 4, 8), (B, 2, Y, 8), (B, 2, Y, 8))]
+    args = [np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32) for a in args]  # bf16-exact inputs
+    dout = np.asarray(jnp.asarray(rng.standard_normal((B, Y, 4, 8)), jnp.bfloat16), np.float32)
+
+    def run(dtype):
+        out, vjp = jax.vjp(lambda *a: ops.attention(*a, vis), *(jnp.asarray(a, dtype) for a in args))
+        return [np.asarray(x, np.float32) for x in (out, *vjp(jnp.asarray(dout, dtype)))]
+
+    for got, want in zip(run(jnp.bfloat16), run(jnp.float32), strict=True):
+        assert np.max(np.abs(got - want)) <= 4 * 2**-8 * np.max(np.abs(want))
 
 
 def test_targets_per_position_equal_targets_per_element():
