@@ -175,6 +175,33 @@ def einsum_f32(spec: str, a, b):
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
+@jax.custom_vjp
+def swiglu(gate_up_BT2F):
+    """``silu(gate) * up`` of gate and up stacked on axis -2 (``[..., 2, F]``), computed in the input's dtype.
+
+    The gradient is written out, in fp32 from the bf16 values: ``d gate = dy * up * s * (1 + gate * (1 - s))``
+    and ``d up = dy * silu(gate)`` with ``s = sigmoid(gate)``, stacked back as the input is. Left to
+    autodiff, the bf16 backward rounds after each of its multiplies and builds the stacked gradient from two
+    padded halves, which XLA's CPU runs as one unvectorised loop: 38 ms of a 950 ms drafter training step per
+    layer against 5 ms (bf16, 3432 rows x 1536)."""
+    return jax.nn.silu(gate_up_BT2F[..., 0, :]) * gate_up_BT2F[..., 1, :]
+
+
+def _swiglu_fwd(gate_up_BT2F):
+    return swiglu(gate_up_BT2F), gate_up_BT2F
+
+
+def _swiglu_bwd(gate_up_BT2F, dy_BTF):
+    gate, up = gate_up_BT2F[..., 0, :].astype(jnp.float32), gate_up_BT2F[..., 1, :].astype(jnp.float32)
+    dy = dy_BTF.astype(jnp.float32)
+    s = jax.nn.sigmoid(gate)
+    d_gate, d_up = dy * up * s * (1.0 + gate * (1.0 - s)), dy * gate * s
+    return (jnp.stack([d_gate, d_up], axis=-2).astype(gate_up_BT2F.dtype),)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 def rms_norm(x, weight, eps: float, scale_in_fp32: bool = False):
     """Llama RMSNorm: normalise in fp32, cast back, then scale (the Hugging Face order of operations).
     ``scale_in_fp32`` (GPT-OSS): scale in fp32, then cast."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from peagle_jax import ops
@@ -122,7 +121,7 @@ class MLP(nn.Module):
     def __call__(self, x_BTD):
         D, dt = x_BTD.shape[-1], self.dtype
         gate_up_BT2F = Linear((2, self.hidden), use_bias=self.bias, dtype=dt, name="gate_up_proj")(x_BTD)
-        h_BTF = jax.nn.silu(gate_up_BT2F[:, :, 0]) * gate_up_BT2F[:, :, 1]
+        h_BTF = ops.swiglu(gate_up_BT2F)
         return Linear((D,), use_bias=self.bias, dtype=dt, name="down_proj")(h_BTF)
 
 
