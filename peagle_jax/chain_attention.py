@@ -7,11 +7,11 @@ and :func:`chain_attention` costs ``Y * (C + E)`` scores instead of ``Y * Y``.
 
 The computation is tiled over the queries, forward and backward, with a hand-written gradient (the usual
 fused-attention one: the backward recomputes each tile's probabilities from the saved log-sum-exp instead of
-keeping them). Untiled, one training step writes and rereads every layer's scores and probabilities whole
-(``[B, N, Y, C]`` in f32, 63 MB for a 2 x 512-position batch of SmolLM2's drafter), and on a CPU those
-passes, not the products, were most of the attention's time; a tile of about :data:`TILE_SCORES` scores stays
-in the CPU's cache between its product and its softmax. Measured on that batch (one layer, forward and
-backward, bf16): 141 ms untiled under autodiff, 85 ms tiled. Other backends run it as one tile.
+keeping them). Written whole, a layer's ``[B, N, Y, C]`` f32 scores and probabilities (63 MB for a
+2 x 512-position batch of SmolLM2's drafter) go through memory several times, forward and backward, and on
+a CPU those passes, not the products, dominate the attention; a tile of about :data:`TILE_SCORES` scores
+stays in the CPU's cache between its product and its softmax. Other backends run it as one tile. The
+training step's time: ``python -m peagle_jax.bench.train`` (docs/bench/train/README.md).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import jax.numpy as jnp
 
 from peagle_jax.ops import MASK_VALUE, einsum_f32
 
-# Scores per tile on the CPU (all rows, heads and prefix slots of a tile's queries): 8 MiB of f32, which the
-# tiles measured fastest around (6 tiles of a 1716-element batch; 4 and 12 were 5-12% slower, 2 43% slower).
+# Scores per tile on the CPU (all rows, heads and prefix slots of a tile's queries): 8 MiB of f32, chosen by
+# timing the training step at half, twice and four times as many tiles.
 TILE_SCORES = 1 << 21
 
 

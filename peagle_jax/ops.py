@@ -182,8 +182,7 @@ def swiglu(gate_up_BT2F):
     The gradient is written out, in fp32 from the bf16 values: ``d gate = dy * up * s * (1 + gate * (1 - s))``
     and ``d up = dy * silu(gate)`` with ``s = sigmoid(gate)``, stacked back as the input is. Left to
     autodiff, the bf16 backward rounds after each of its multiplies and builds the stacked gradient from two
-    padded halves, which XLA's CPU runs as one unvectorised loop: 38 ms of a 950 ms drafter training step per
-    layer against 5 ms (bf16, 3432 rows x 1536)."""
+    padded halves, which XLA's CPU runs as one unvectorised loop per layer."""
     return jax.nn.silu(gate_up_BT2F[..., 0, :]) * gate_up_BT2F[..., 1, :]
 
 
