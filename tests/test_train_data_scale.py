@@ -116,36 +116,72 @@ class _Stop(Exception):
 
 
 def test_a_run_stopped_inside_a_shard_keeps_its_answers(tmp_path):
-    """Each answer is kept in the shard's partial file as it ends; a run killed inside a shard (here after 3
-    answers, the last line torn as by a kill while writing) resumes with those, generates only the rest, and
-    its shards equal an uninterrupted run's."""
-    from peagle_jax.train.regen import partial_path
+    """Each answer is kept in its shard's partial file as it ends; a run killed while two shards are open
+    (here after 5 answers of 3 shards of 4 prompts, the last line torn as by a kill while writing) resumes
+    with those, generates only the rest, and its shards equal an uninterrupted run's."""
 
     params = model.init_params(CFG, jax.random.key(1))
     rng = np.random.default_rng(2)
-    prompts = [rng.integers(5, 100, int(n)).tolist() for n in rng.integers(2, 20, 8)]
-    kw = dict(max_prompt_tokens=24, max_new_tokens=10, shard_size=8, temperature=1.0, progress=False)
+    prompts = [rng.integers(5, 100, int(n)).tolist() for n in rng.integers(2, 20, 12)]
+    kw = dict(max_prompt_tokens=24, max_new_tokens=10, shard_size=4, temperature=1.0, progress=False)
     gen = SlotGenerator(CFG, params, slots=2, max_seq_len=40)
     whole = read_shards(regenerate(gen, prompts, tmp_path / "whole", **kw))
-    real, seen = gen.generate, []
+    real, drawn, die_after = gen.stream_answers, [], [5]
 
-    def dying(rows, on_answer=None, **k):
-        seen.append(len(rows))
+    def dying(items, on_answer, **k):
+        answers = []
 
-        def count(i, res):
-            on_answer(i, res)
-            if sum(1 for _ in partial_path(tmp_path / "cut", 0).open()) == 4:  # the header and 3 answers
+        def counted():
+            for item in items:
+                drawn.append(item)
+                yield item
+
+        def count(key, res):
+            on_answer(key, res)
+            answers.append(key)
+            if len(answers) == die_after[0]:
                 raise _Stop
 
-        return real(rows, on_answer=count, **k)
+        return real(counted(), on_answer=count, **k)
 
-    gen.generate = dying
+    gen.stream_answers = dying
     with pytest.raises(_Stop):
         regenerate(gen, prompts, tmp_path / "cut", **kw)
-    partial = partial_path(tmp_path / "cut", 0)
-    partial.write_text(partial.read_text() + '{"index": 7, "prompt_ids": [1, ')  # torn by the kill
+    partials = sorted(p.name for p in (tmp_path / "cut").glob("*.partial"))
+    assert len(drawn) == 6 and len(partials) >= 1  # 5 answered, one in a slot when it died
+    last = tmp_path / "cut" / partials[-1]
+    last.write_text(last.read_text() + '{"index": 7, "prompt_ids": [1, ')  # torn by the kill
+    done = len(list((tmp_path / "cut").glob("shard-*.jsonl")))
+    drawn.clear()
+    die_after[0] = None
     resumed = read_shards(regenerate(gen, prompts, tmp_path / "cut", **kw))
-    assert seen == [8, 5] and resumed == whole and not partial.exists()
+    assert len(drawn) == 12 - 5 and resumed == whole and done + len(partials) >= 2
+    assert not list((tmp_path / "cut").glob("*.partial"))
+    gen.stream_answers = real
+
+
+def test_the_next_shard_fills_the_slots_a_shard_leaves(tmp_path):
+    """The slot engine answers the shards as one stream: prompts of shard 1 enter slots before shard 0 is
+    written, and the shards equal those answered one at a time (per shard, through ``generate``)."""
+    from peagle_jax.engine.generator import Generator as BatchGenerator
+
+    params = model.init_params(CFG, jax.random.key(3))
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(5, 100, int(n)).tolist() for n in rng.integers(2, 20, 10)]
+    kw = dict(max_prompt_tokens=24, max_new_tokens=9, shard_size=4, temperature=0.0, progress=False)
+    gen = SlotGenerator(CFG, params, slots=3, max_seq_len=40)
+    admit, early = gen.engine.admit, []
+
+    def admitted(req):
+        j = prompts.index(list(req.prompt))
+        early.append(j >= 4 and not (tmp_path / "s" / "shard-00000.jsonl").exists())
+        return admit(req)
+
+    gen.engine.admit = admitted
+    streamed = read_shards(regenerate(gen, prompts, tmp_path / "s", **kw))
+    one_by_one = read_shards(regenerate(BatchGenerator(CFG, params, max_seq_len=40), prompts, tmp_path / "b", **kw))
+    assert any(early) and len(early) == 10
+    assert [(r["index"], r["response_ids"]) for r in streamed] == [(r["index"], r["response_ids"]) for r in one_by_one]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -21,8 +21,9 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 from tqdm import tqdm
@@ -144,8 +145,9 @@ class _ShardAnswers:
         os.replace(tmp, path)
         return records
 
-    def answer(self, out_dir: Path, i: int, lo: int, hi: int, batch: int, bar) -> dict[int, dict]:
-        """Every record of shard i (prompts ``lo:hi``): answered, or skipped with the reason."""
+    def start(self, out_dir: Path, i: int, lo: int, hi: int, bar) -> _OpenShard:
+        """Shard i (prompts ``lo:hi``) with the answers its partial file has, the prompts too long or empty
+        recorded as skipped, and those left to answer in order of length (fewer padded slots in a batch)."""
         prompt_ids = self.prompt_ids
         path = partial_path(out_dir, i)
         records = self._resume(path, {"shard": i, "prompts_sha256": prompts_digest(prompt_ids[lo:hi])})
@@ -166,36 +168,75 @@ class _ShardAnswers:
                 fits.append(j)
         bar.update(len(records) - answered)  # the prompts skipped
         fits.sort(key=lambda j: len(prompt_ids[j]))
-        continuous = getattr(self.generator, "continuous", False)
-        if continuous:  # admits prompts as slots free: the whole shard at once
-            batch = max(len(fits), 1)
-        with open(path, "a", encoding="utf-8") as log:
+        return _OpenShard(i, lo, hi, records, fits, open(path, "a", encoding="utf-8"))
 
-            def keep(j: int, res) -> None:
-                records[j] = {
-                    "index": j,
-                    "prompt_ids": list(prompt_ids[j]),
-                    "response_ids": res.token_ids,
-                    "finish_reason": res.finish_reason,
-                }
-                log.write(json.dumps(records[j]) + "\n")
-                log.flush()
-                bar.update(1)
+    def keep(self, shard: _OpenShard, j: int, res, bar) -> None:
+        """Record prompt j's answer in its shard and, flushed, in the shard's partial file."""
+        shard.records[j] = {
+            "index": j,
+            "prompt_ids": list(self.prompt_ids[j]),
+            "response_ids": res.token_ids,
+            "finish_reason": res.finish_reason,
+        }
+        shard.log.write(json.dumps(shard.records[j]) + "\n")
+        shard.log.flush()
+        bar.update(1)
 
-            for k in range(0, len(fits), batch):
-                rows = fits[k : k + batch]
-                results = self.generator.generate(
-                    [list(prompt_ids[j]) for j in rows],
-                    max_new_tokens=self.max_new_tokens,
-                    temperature=self.temperature,
-                    seed=[self.seed + j for j in rows],
-                    stop_token_ids=self.stop_token_ids,
-                    **({"on_answer": lambda n, res, rows=rows: keep(rows[n], res)} if continuous else {}),
-                )
-                if not continuous:
-                    for j, res in zip(rows, results, strict=True):
-                        keep(j, res)
-        return records
+    def answer(self, shard: _OpenShard, batch: int, bar) -> None:
+        """Answer the shard's prompts in batches of ``batch`` (a batch generator)."""
+        for k in range(0, len(shard.fits), batch):
+            rows = shard.fits[k : k + batch]
+            results = self.generator.generate(
+                [list(self.prompt_ids[j]) for j in rows],
+                max_new_tokens=self.max_new_tokens,
+                temperature=self.temperature,
+                seed=[self.seed + j for j in rows],
+                stop_token_ids=self.stop_token_ids,
+            )
+            for j, res in zip(rows, results, strict=True):
+                self.keep(shard, j, res, bar)
+
+    def stream(self, shards: Iterator[_OpenShard], finish, bar) -> None:
+        """Answer every shard's prompts as one stream through a continuously batching generator: the next
+        shard opens when the last prompt of the one before is admitted, and ``finish(shard)`` runs as the last
+        answer of a shard ends."""
+
+        def items():
+            for shard in shards:
+                shard.left = len(shard.fits)
+                if not shard.left:
+                    finish(shard)
+                for j in shard.fits:
+                    yield (shard, j), self.prompt_ids[j], self.seed + j
+
+        def on_answer(key, res) -> None:
+            shard, j = key
+            self.keep(shard, j, res, bar)
+            shard.left -= 1
+            if not shard.left:
+                finish(shard)
+
+        self.generator.stream_answers(
+            items(),
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            stop_token_ids=self.stop_token_ids,
+            on_answer=on_answer,
+        )
+
+
+@dataclasses.dataclass(eq=False)
+class _OpenShard:
+    """A shard being answered: its index, prompt range, records so far, the prompts left to answer (in order),
+    its open partial file, and (streaming) how many answers it still waits for."""
+
+    index: int
+    lo: int
+    hi: int
+    records: dict[int, dict]
+    fits: list[int]
+    log: TextIO
+    left: int = 0
 
 
 def _shard_done(path: Path, i: int, prompts: Sequence[Sequence[int]]) -> bool:
@@ -251,8 +292,9 @@ def regenerate(
     """Write every missing shard for the tokenized prompts; returns all shard paths in order.
 
     Within a shard, prompts are generated in batches of ``batch`` after sorting by length (fewer padded
-    slots); a continuously batched generator (``continuous = True``, :mod:`peagle_jax.train.slot_regen`) takes
-    the whole shard in one call and reports each answer to the progress bar; row i's sampling seed is
+    slots); a continuously batched generator (``continuous = True``,
+    :mod:`peagle_jax.train.slot_regen`) takes the prompts of every missing shard as one stream, admitting each
+    as a slot frees, and each shard is written as its last answer ends; row i's sampling seed is
     ``seed + index`` so a shard's content does not depend on batching. ``dtype`` names the generator's
     compute dtype (recorded); ``conversations`` [i]: prompt i's conversation, written into its record. Each
     answer is kept in the shard's partial file as it ends, so a run stopped inside a shard resumes with the
@@ -267,22 +309,35 @@ def regenerate(
     todo = [i for i, p in enumerate(paths) if not _shard_done(p, i, prompt_ids[i * shard_size : (i + 1) * shard_size])]
     bar = tqdm(total=len(prompt_ids), desc=desc, unit="prompt", disable=not progress)
     bar.update(len(prompt_ids) - sum(min(shard_size, len(prompt_ids) - i * shard_size) for i in todo))
-    shard = _ShardAnswers(generator, prompt_ids, max_prompt_tokens, max_new_tokens, temperature, seed, stop_token_ids)
-    for i in todo:
-        lo, hi = i * shard_size, min((i + 1) * shard_size, len(prompt_ids))
-        records = shard.answer(out_dir, i, lo, hi, batch, bar)
+    answers = _ShardAnswers(generator, prompt_ids, max_prompt_tokens, max_new_tokens, temperature, seed, stop_token_ids)
+
+    def finish(shard: _OpenShard) -> None:
+        shard.log.close()
+        records = shard.records
         if conversations is not None:
             for j, r in records.items():
                 if "response_ids" in r:
                     r["conversation"] = int(conversations[j])
-        tmp = paths[i].with_suffix(".tmp")
+        path = paths[shard.index]
+        tmp = path.with_suffix(".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
-            header = {"shard": i, "prompts": hi - lo, "prompts_sha256": prompts_digest(prompt_ids[lo:hi])}
-            f.write(json.dumps(header) + "\n")
-            for j in range(lo, hi):
+            header = {"shard": shard.index, "prompts": shard.hi - shard.lo}
+            f.write(json.dumps({**header, "prompts_sha256": prompts_digest(prompt_ids[shard.lo : shard.hi])}) + "\n")
+            for j in range(shard.lo, shard.hi):
                 f.write(json.dumps(records[j]) + "\n")
-        os.replace(tmp, paths[i])
-        partial_path(out_dir, i).unlink(missing_ok=True)
+        os.replace(tmp, path)
+        partial_path(out_dir, shard.index).unlink(missing_ok=True)
+
+    def opened():
+        for i in todo:
+            yield answers.start(out_dir, i, i * shard_size, min((i + 1) * shard_size, len(prompt_ids)), bar)
+
+    if getattr(generator, "continuous", False):
+        answers.stream(opened(), finish, bar)
+    else:
+        for shard in opened():
+            answers.answer(shard, batch, bar)
+            finish(shard)
     bar.close()
     return paths
 

@@ -1,17 +1,18 @@
-"""Regeneration with continuous batching: the serving slot engine answering a whole shard of prompts.
+"""Regeneration with continuous batching: the serving slot engine answering shard after shard of prompts.
 
-:func:`peagle_jax.train.regen.regenerate` hands a generator a list of prompts at a time. The batch
+:func:`peagle_jax.train.regen.regenerate` hands a batch generator a list of prompts at a time. The batch
 :class:`~peagle_jax.engine.generator.Generator` decodes them in fixed batches, each running until its longest
-answer ends, so the rows whose answers ended early idle. :class:`SlotGenerator` has the same ``generate``
-method over a :class:`~peagle_jax.serve.slots.SlotEngine`: a prompt is admitted into a slot as soon as
-one frees, so every step advances up to ``slots`` live answers. A row's tokens depend only on its own
+answer ends, so the rows whose answers ended early idle. :class:`SlotGenerator` runs a
+:class:`~peagle_jax.serve.slots.SlotEngine`: a prompt is admitted into a slot as soon as one frees, so every
+step advances up to ``slots`` live answers; its ``stream_answers`` takes every remaining shard's prompts as one
+stream, so that no slot idles at the end of a shard either. A row's tokens depend only on its own
 prompt, sampling parameters and seed (the slot engine's invariant), so the shards do not depend on the
 slot count or on which prompts share a step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 from peagle_jax.engine.generator import GenerationResult, Generator
 
@@ -19,7 +20,7 @@ from peagle_jax.engine.generator import GenerationResult, Generator
 class SlotGenerator:
     """``generate(prompts, ...)`` answered by ``slots`` continuously batched rows of the target."""
 
-    continuous = True  # regenerate() hands it a whole shard at once
+    continuous = True  # regenerate() streams every missing shard's prompts through stream_answers
 
     def __init__(self, cfg, params, *, slots: int, max_seq_len: int):
         from peagle_jax.serve.slots import SlotEngine
@@ -39,33 +40,62 @@ class SlotGenerator:
     ) -> list[GenerationResult]:
         """Each prompt's answer, in order; ``seed`` per prompt (a list) or one for all; ``on_answer(i, result)``
         is called as prompt i's answer ends (a progress bar, the caller's record of answers so far)."""
+        seeds = list(seed) if isinstance(seed, Sequence) else [seed] * len(prompts)
+        results: list[GenerationResult | None] = [None] * len(prompts)
+
+        def keep(i: int, result: GenerationResult) -> None:
+            results[i] = result
+            if on_answer is not None:
+                on_answer(i, result)
+
+        items = ((i, p, s) for i, (p, s) in enumerate(zip(prompts, seeds, strict=True)))
+        self.stream_answers(
+            items, max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_token_ids, on_answer=keep
+        )
+        return results
+
+    def stream_answers(
+        self,
+        items: Iterable[tuple[Hashable, Sequence[int], int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        stop_token_ids: Sequence[int] | None = None,
+        on_answer,
+    ) -> None:
+        """Answer ``(key, prompt_ids, seed)`` items, taking the next from the iterator only as a slot frees, so
+        that its prompts enter as earlier answers end and no slot idles until the iterator is spent;
+        ``on_answer(key, result)`` as each answer ends. The regeneration feeds it one shard after another: the
+        next shard's prompts fill the slots that the last answers of a shard leave."""
         from peagle_jax.serve.slots import SlotRequest
 
-        seeds = list(seed) if isinstance(seed, Sequence) else [seed] * len(prompts)
-        requests = [
-            SlotRequest(list(p), max_new_tokens, temperature=temperature, seed=int(s), stop_token_ids=stop_token_ids)
-            for p, s in zip(prompts, seeds, strict=True)
-        ]
-        order = {r.id: i for i, r in enumerate(requests)}
-        tokens: list[list[int]] = [[] for _ in requests]
-        results: list[GenerationResult | None] = [None] * len(requests)
-        waiting = list(reversed(requests))  # popped from the end: admitted in order
+        keys: dict[int, Hashable] = {}
+        tokens: dict[int, list[int]] = {}
+        items = iter(items)
 
         def take(events) -> None:
             for ev in events:
-                i = order[ev.request.id]
-                tokens[i].extend(ev.tokens)
+                rid = ev.request.id
+                tokens[rid].extend(ev.tokens)
                 if ev.finish_reason is not None:
-                    results[i] = GenerationResult(tokens[i], ev.finish_reason)
-                    if on_answer is not None:
-                        on_answer(i, results[i])
+                    on_answer(keys.pop(rid), GenerationResult(tokens.pop(rid), ev.finish_reason))
 
-        engine = self.engine
-        while waiting or engine.active:
-            while waiting and engine.free:
-                take([engine.admit(waiting.pop())])
-            take(engine.step())
-        missing = [i for i, r in enumerate(results) if r is None]
-        if missing:  # the engine's contract: every admitted request ends with a finish reason
-            raise RuntimeError(f"the slot engine ended without answering prompts {missing[:5]}")
-        return results
+        engine, spent = self.engine, False
+        while True:
+            while engine.free and not spent:
+                item = next(items, None)
+                if item is None:
+                    spent = True
+                    break
+                key, prompt, seed = item
+                req = SlotRequest(
+                    list(prompt), max_new_tokens, temperature=temperature, seed=int(seed), stop_token_ids=stop_token_ids
+                )
+                keys[req.id], tokens[req.id] = key, []
+                take([engine.admit(req)])
+            if engine.active:
+                take(engine.step())
+            elif spent:
+                break
+        if keys:  # the engine's contract: every admitted request ends with a finish reason
+            raise RuntimeError(f"the slot engine ended without answering {len(keys)} admitted prompts")
