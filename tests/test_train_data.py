@@ -13,7 +13,7 @@ from peagle_jax.engine.generator import Generator
 from peagle_jax.models import model
 from peagle_jax.models.config import ModelConfig
 from peagle_jax.train.data import TrainData
-from peagle_jax.train.features import build_cache, target_features
+from peagle_jax.train.features import FeatureCache, build_cache, target_features
 from peagle_jax.train.pack import PackedRows, conversation, pack, training_layout
 from peagle_jax.train.prompts import DataError, read_chat_jsonl, read_sharegpt, salvage_json_array
 from peagle_jax.train.regen import read_shards, regenerate
@@ -235,6 +235,11 @@ def test_online_and_cached_features_give_the_same_batches(tmp_path, dtype):
                     else:
                         check(part, want_part)
             assert len(lazy.aux_BTX.memo) == 2  # rows 1:2 and 0:1, each computed once for the pair
+    # Stored losslessly in fewer bytes than the values (the sign-and-exponent bytes deflated).
+    stored, raw = cache.sizes()
+    assert stored == sum(p.stat().st_size for p in (tmp_path / "f").glob("*.bin"))
+    assert raw == sum(a.nbytes for a in cache.rows(train))
+    assert stored < {"bfloat16": 0.8, "float32": 0.9}[dtype] * raw
     # A second build over the same directory finds every chunk and recomputes nothing.
     again = build_cache(None, CFG, rows, tmp_path / "f", dtype=dtype, chunk_rows=B, progress=False)
     np.testing.assert_array_equal(np.asarray(again.rows([3])[0]), np.asarray(cache.rows([3])[0]))
@@ -245,6 +250,15 @@ def test_online_and_cached_features_give_the_same_batches(tmp_path, dtype):
     other = PackedRows(*(a[:4] for a in rows))
     with pytest.raises(DataError, match="other rows"):
         build_cache(params, CFG, other, tmp_path / "f", dtype=dtype, chunk_rows=B, progress=False)
+    # A cache in another storage format (no "format" in its features.json) is refused, not misread.
+    meta = json.loads((tmp_path / "f" / "features.json").read_text())
+    (tmp_path / "f" / "features.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "format"}))
+    for make in (
+        lambda: FeatureCache(tmp_path / "f"),
+        lambda: build_cache(None, CFG, rows, tmp_path / "f", dtype=dtype),
+    ):
+        with pytest.raises(DataError, match="another storage format"):
+            make()
 
 
 def test_batches_are_a_pure_function_of_the_position():

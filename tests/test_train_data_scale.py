@@ -237,7 +237,7 @@ def test_a_killed_feature_cache_build_resumes_without_a_torn_chunk(tmp_path, mon
 
     def dying_digest(path):
         calls.append(path.name)
-        if path.name == "hidden-00001.npy":
+        if path.name == "hidden-00001.bin":
             raise KeyboardInterrupt
         return real_digest(path)
 
@@ -245,9 +245,9 @@ def test_a_killed_feature_cache_build_resumes_without_a_torn_chunk(tmp_path, mon
     with pytest.raises(KeyboardInterrupt):
         features.build_cache(params, CFG, rows, tmp_path / "f", **kw)
     monkeypatch.setattr(features, "_digest", real_digest)
-    assert (tmp_path / "f" / "hidden-00001.npy").exists() and sorted(features._manifest(tmp_path / "f")) == [0]
+    assert (tmp_path / "f" / "hidden-00001.bin").exists() and sorted(features._manifest(tmp_path / "f")) == [0]
     # A reader refuses the unrecorded chunk rather than reading it.
-    with pytest.raises(DataError, match="hidden-00001.npy|aux-00001.npy"):
+    with pytest.raises(DataError, match="hidden-00001.bin|aux-00001.bin"):
         features.FeatureCache(tmp_path / "f").rows([2])
 
     computed = []
@@ -261,14 +261,14 @@ def test_a_killed_feature_cache_build_resumes_without_a_torn_chunk(tmp_path, mon
             np.testing.assert_array_equal(got.view(np.uint16), ref.view(np.uint16))
 
     # A chunk changed on disk after the build is refused when first read, naming the file.
-    path = tmp_path / "f" / "aux-00002.npy"
+    path = tmp_path / "f" / "aux-00002.bin"
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
-    with pytest.raises(DataError, match="aux-00002.npy: missing or changed"):
+    with pytest.raises(DataError, match="aux-00002.bin: missing or changed"):
         features.FeatureCache(tmp_path / "f").rows([4])
     # The build checks sizes only (the reader the checksums): with a file of the chunk removed it is rebuilt.
-    (tmp_path / "f" / "hidden-00002.npy").unlink()
+    (tmp_path / "f" / "hidden-00002.bin").unlink()
     features.build_cache(params, CFG, rows, tmp_path / "f", **kw)
     np.testing.assert_array_equal(
         features.FeatureCache(tmp_path / "f").rows([4])[0].view(np.uint16), want.rows([4])[0].view(np.uint16)

@@ -33,6 +33,7 @@ from peagle_jax.train.objective import (
     targets,
 )
 from peagle_jax.train.partition import segment_batch, segment_mask_capacity
+from peagle_jax.train.ttt import ttt_loss
 
 V, H, Ht, U, K, B, T = 97, 32, 24, 40, 4, 2, 160
 Y = max_elements(T, K) + 5  # B * Y > ops.SMALL_ROWS, with padding elements
@@ -151,7 +152,7 @@ def test_targets_per_position_equal_targets_per_element():
 @functools.partial(jax.jit, static_argnames=("objective", "dtype"))
 def _loss_and_grad(trainable, frozen, batch, head, *, objective, dtype):
     ccfg = compute_config(CFG, TrainConfig(compute_dtype=dtype))
-    fn = peagle_loss if objective == "fast" else reference_loss
+    fn = {"fast": peagle_loss, "reference": reference_loss, "eagle3": ttt_loss}[objective]
 
     def loss_fn(tr):
         p = jax.tree.map(lambda x: x.astype(ccfg.layer.jnp_dtype) if x.dtype == jnp.float32 else x, {**tr, **frozen})
@@ -179,6 +180,22 @@ def test_fast_loss_metrics_and_gradients_equal_reference_fp32(seed):
         a, b = _flat(g[name]), _flat(ref_g[name])
         # Relative to the leaf's gradient norm (single entries near zero carry only rounding).
         assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b), name
+
+
+@pytest.mark.parametrize("objective", ["fast", "reference", "eagle3"])
+def test_target_hidden_is_read_only_where_the_loss_is(objective):
+    """The features store ``target_hidden`` as zeros where the loss mask is 0 (half of a row is prompt): the
+    loss, the metrics and every gradient are the same bit for bit."""
+    batch, head = _batch(1)
+    zeroed = batch._replace(
+        target_hidden_BTD=jnp.where(batch.loss_mask_BT[:, :, None] != 0, batch.target_hidden_BTD, 0.0)
+    )
+    assert not np.array_equal(np.asarray(zeroed.target_hidden_BTD), np.asarray(batch.target_hidden_BTD))
+    trainable, frozen = partition(_params(1), CFG)
+    want = _loss_and_grad(trainable, frozen, batch, head, objective=objective, dtype="float32")
+    got = _loss_and_grad(trainable, frozen, zeroed, head, objective=objective, dtype="float32")
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_fast_bf16_within_bounds_of_fp32():

@@ -61,7 +61,7 @@ def collect(run: Path) -> dict:
         "responses": responses,
         "response_tokens": response_tokens,
         "regen_s": _span_s(data / "regen" / "regen.json", shards),
-        "features_s": _span_s(data / "features" / "features.json", list((data / "features").glob("hidden-*.npy"))),
+        "features_s": _span_s(data / "features" / "features.json", list((data / "features").glob("hidden-*.bin"))),
         "eval": evals[-1] if evals else None,
         "eval_curve": [(e["step"], e["loss"], e["acc_K"][0]) for e in evals],
     }

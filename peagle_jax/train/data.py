@@ -71,14 +71,15 @@ class TrainData:
             return self.features.rows(idx)
         params, cfg = self.target
         r = self.rows
+        loss_mask = self.layout[1][idx]
         return target_features(
-            params, r.tokens[idx], r.positions[idx], r.document[idx], cfg=cfg, dtype=self.feature_dtype
+            params, r.tokens[idx], r.positions[idx], r.document[idx], loss_mask, cfg=cfg, dtype=self.feature_dtype
         )
 
     def feature_spec(self) -> tuple[tuple[tuple[int, ...], np.dtype], tuple[tuple[int, ...], np.dtype]]:
         """((shape, dtype) of one row's aux features, the same of its target hidden states), computing none."""
         if self.features is not None:
-            return tuple((a.shape[1:], a.dtype) for a in self.features._chunk(0))
+            return self.features.spec()
         _, cfg = self.target
         T, dtype = self.rows.tokens.shape[1], np.dtype(jnp.dtype(self.feature_dtype))
         return ((T, len(cfg.aux_layer_ids) * cfg.hidden_size), dtype), ((T, cfg.hidden_size), dtype)

@@ -2,17 +2,22 @@
 
 :func:`target_features` runs the target over packed rows (a block-diagonal causal mask keeps conversations
 apart, RoPE positions restart per conversation) and returns the training-aligned ``aux`` [B, T, X] and
-``target_hidden`` [B, T, D] (the final normed state of the *next* slot, zero at a conversation's last slot;
-see :mod:`peagle_jax.train.pack`), cast to the storage dtype. The online source calls it for each batch;
-the cache stores its output for every row. Both go through this one jitted function on the same rows, so
-they give the same batches bit for bit (tested).
+``target_hidden`` [B, T, D] (the final normed state of the *next* slot, zero at a conversation's last slot
+and wherever the loss mask is 0; see :mod:`peagle_jax.train.pack`), cast to the storage dtype. The online
+source calls it for each batch; the cache stores its output for every row. Both go through this one jitted
+function on the same rows, so they give the same batches bit for bit (tested).
 
-Cache layout: ``DIR/features.json`` (shapes, dtype, rows per chunk, a digest of the rows), per chunk of
-rows ``aux-{i:05d}.npy`` / ``hidden-{i:05d}.npy`` (bfloat16 stored as its uint16 bits, memory-mapped when
-read), and ``DIR/chunks.jsonl``, a line per finished chunk with each file's size and sha256. A chunk counts
-as built only once its line is written (after both files are renamed into place), so a build killed at any
-point resumes by redoing the chunks without a line or whose files' sizes differ from it: no torn chunk is
-ever read. The reader checks a chunk's checksums when it first opens it and refuses a changed file.
+Cache layout: ``DIR/features.json`` (shapes, dtype, rows per chunk, a digest of the rows), per chunk of rows
+``aux-{i:05d}.bin`` / ``hidden-{i:05d}.bin``, and ``DIR/chunks.jsonl``, a line per finished chunk with each
+file's size, sha256, row shape and per-row layout. A row is stored as two parts: the byte plane that holds
+each value's sign and exponent (its most significant byte, which takes few distinct values in hidden
+states), deflated, then the other bytes of every value as they are (mantissa bits do not compress). That is
+lossless and smaller than the raw values (:meth:`FeatureCache.sizes`; the zeros of ``target_hidden`` take
+almost no room), and a row decodes in milliseconds; the files are memory-mapped and only the rows a batch
+needs are decoded. A chunk counts as built only once its line is written (after both files are renamed into
+place), so a build killed at any point resumes by redoing the chunks without a line or whose files' sizes
+differ from it: no torn chunk is ever read. The reader checks a chunk's checksums when it first opens it
+and refuses a changed file.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import functools
 import hashlib
 import json
 import os
+import zlib
 from pathlib import Path
 
 import jax
@@ -30,15 +36,17 @@ from tqdm import tqdm
 
 from peagle_jax.models import model
 from peagle_jax.models.config import ModelConfig
-from peagle_jax.train.pack import PackedRows
+from peagle_jax.train.pack import PackedRows, training_layout
 from peagle_jax.train.prompts import DataError
 
 STORAGE_DTYPES = ("float32", "bfloat16")
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
-def target_features(params, tokens_BT, positions_BT, document_BT, *, cfg: ModelConfig, dtype: str):
-    """``(aux [B, T, X], target_hidden [B, T, D])`` of B packed rows, in ``dtype``."""
+def target_features(params, tokens_BT, positions_BT, document_BT, loss_mask_BT=None, *, cfg: ModelConfig, dtype: str):
+    """``(aux [B, T, X], target_hidden [B, T, D])`` of B packed rows, in ``dtype``. With the rows'
+    ``loss_mask_BT`` (of the training layout), ``target_hidden`` is zero where it is 0: the objectives read it
+    only where the loss is (tested), and zeros take no room in the cache, whose rows are half prompt."""
     B, T = tokens_BT.shape
     t_T = jnp.arange(T, dtype=jnp.int32)
     same_BTT = document_BT[:, :, None] == document_BT[:, None, :]
@@ -56,7 +64,10 @@ def target_features(params, tokens_BT, positions_BT, document_BT, *, cfg: ModelC
     )
     next_same_BT = jnp.concatenate([document_BT[:, 1:] == document_BT[:, :-1], jnp.zeros((B, 1), bool)], axis=1)
     hidden_next_BTD = jnp.concatenate([out.hidden[:, 1:], jnp.zeros_like(out.hidden[:, :1])], axis=1)
-    hidden_next_BTD = jnp.where((next_same_BT & (document_BT >= 0))[:, :, None], hidden_next_BTD, 0)
+    keep_BT = next_same_BT & (document_BT >= 0)
+    if loss_mask_BT is not None:
+        keep_BT = keep_BT & (loss_mask_BT != 0)
+    hidden_next_BTD = jnp.where(keep_BT[:, :, None], hidden_next_BTD, 0)
     return out.aux.astype(dtype), hidden_next_BTD.astype(dtype)
 
 
@@ -67,12 +78,31 @@ def rows_digest(rows: PackedRows) -> str:
     return h.hexdigest()[:16]
 
 
-def _to_disk(a: np.ndarray) -> np.ndarray:
-    return a.view(np.uint16) if a.dtype == jnp.bfloat16 else a
+FORMAT = "msb-deflate"  # features.json's "format": the row layout above
 
 
-def _from_disk(a: np.ndarray, dtype: str) -> np.ndarray:
-    return a.view(jnp.bfloat16) if dtype == "bfloat16" else a
+def _storage(dtype: str) -> np.dtype:
+    """The little-endian dtype a row's values are stored as (bf16 as its uint16 bits)."""
+    return np.dtype("<u2") if dtype == "bfloat16" else np.dtype("<f4")
+
+
+def _encode_row(row: np.ndarray, dtype: str) -> tuple[bytes, bytes]:
+    """``(deflated sign-and-exponent bytes, the other bytes)`` of one row's values."""
+    k = _storage(dtype).itemsize
+    b = np.ascontiguousarray(row).view(_storage(dtype)).view(np.uint8).reshape(-1, k)
+    return zlib.compress(b[:, k - 1].tobytes(), 1), b[:, : k - 1].tobytes()
+
+
+def _decode_row(buf: np.ndarray, offset: int, msb_bytes: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """The row that :func:`_encode_row` stored at ``offset`` of ``buf`` (a memory-mapped chunk file)."""
+    st = _storage(dtype)
+    k, n = st.itemsize, int(np.prod(shape))
+    out = np.empty((n, k), np.uint8)
+    out[:, k - 1] = np.frombuffer(zlib.decompress(buf[offset : offset + msb_bytes]), np.uint8)
+    rest = offset + msb_bytes
+    out[:, : k - 1] = buf[rest : rest + n * (k - 1)].reshape(n, k - 1)
+    values = out.view(st).reshape(shape)
+    return values.view(jnp.bfloat16) if dtype == "bfloat16" else values
 
 
 def _digest(path: Path) -> list:
@@ -103,8 +133,8 @@ def _chunk_whole(directory: Path, i: int, rec: dict | None) -> bool:
     if rec is None:
         return False
     for name in ("aux", "hidden"):
-        path = directory / f"{name}-{i:05d}.npy"
-        if not path.exists() or path.stat().st_size != rec[name][0]:
+        path = directory / f"{name}-{i:05d}.bin"
+        if not path.exists() or path.stat().st_size != rec[name]["file"][0]:
             return False
     return True
 
@@ -118,28 +148,57 @@ class FeatureCache:
             self.meta = json.loads((self.dir / "features.json").read_text())
         except (OSError, json.JSONDecodeError):
             raise DataError(f"{self.dir} is not a feature cache (no readable features.json)") from None
+        if self.meta.get("format") != FORMAT:
+            raise DataError(f"{self.dir} holds features in another storage format; delete it and build again")
         self.chunk = self.meta["chunk_rows"]
         self.manifest = _manifest(self.dir)
-        self._open: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._open: dict[int, dict[str, tuple]] = {}
 
-    def _chunk(self, i: int):
+    def _chunk(self, i: int) -> dict[str, tuple]:
+        """Chunk i's files, checked and memory-mapped: name -> (bytes, row offsets, sign-and-exponent sizes,
+        row shape)."""
         if i not in self._open:
             rec = self.manifest.get(i)
+            chunk = {}
             for name in ("aux", "hidden"):
-                path = self.dir / f"{name}-{i:05d}.npy"
-                if rec is None or not path.exists() or _digest(path) != rec[name]:
+                path = self.dir / f"{name}-{i:05d}.bin"
+                if rec is None or not path.exists() or _digest(path) != rec[name]["file"]:
                     raise DataError(f"{path}: missing or changed since the cache was built; delete it and build again")
-            dtype = self.meta["dtype"]
-            aux = np.load(self.dir / f"aux-{i:05d}.npy", mmap_mode="r")
-            hidden = np.load(self.dir / f"hidden-{i:05d}.npy", mmap_mode="r")
-            self._open[i] = (_from_disk(aux, dtype), _from_disk(hidden, dtype))
+                shape, msb = tuple(rec[name]["shape"]), rec[name]["msb_bytes"]
+                rest = int(np.prod(shape)) * (_storage(self.meta["dtype"]).itemsize - 1)
+                offsets = np.concatenate([[0], np.cumsum(np.asarray(msb) + rest)[:-1]]).tolist()
+                chunk[name] = (np.memmap(path, np.uint8, mode="r"), offsets, msb, shape)
+            self._open[i] = chunk
         return self._open[i]
 
+    def spec(self) -> tuple[tuple[tuple[int, ...], np.dtype], tuple[tuple[int, ...], np.dtype]]:
+        """((shape, dtype) of a row's aux features, the same of its target hidden states), decoding none."""
+        chunk = self._chunk(0)
+        dtype = np.dtype(jnp.bfloat16) if self.meta["dtype"] == "bfloat16" else np.dtype(np.float32)
+        return tuple((chunk[name][3], dtype) for name in ("aux", "hidden"))
+
+    def sizes(self) -> tuple[int, int]:
+        """``(bytes stored, bytes of the raw values)`` of the chunks built so far."""
+        stored = raw = 0
+        k = _storage(self.meta["dtype"]).itemsize
+        for rec in self.manifest.values():
+            for name in ("aux", "hidden"):
+                stored += rec[name]["file"][0]
+                raw += len(rec[name]["msb_bytes"]) * int(np.prod(rec[name]["shape"])) * k
+        return stored, raw
+
+    def row(self, r: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(aux [T, X], hidden [T, D])`` of row r."""
+        chunk, j = self._chunk(r // self.chunk), r % self.chunk
+        out = []
+        for name in ("aux", "hidden"):
+            buf, offsets, msb, shape = chunk[name]
+            out.append(_decode_row(buf, offsets[j], msb[j], shape, self.meta["dtype"]))
+        return out[0], out[1]
+
     def rows(self, idx) -> tuple[np.ndarray, np.ndarray]:
-        parts = [self._chunk(int(r) // self.chunk) for r in idx]
-        aux = np.stack([p[0][int(r) % self.chunk] for p, r in zip(parts, idx, strict=True)])
-        hidden = np.stack([p[1][int(r) % self.chunk] for p, r in zip(parts, idx, strict=True)])
-        return aux, hidden
+        parts = [self.row(int(r)) for r in idx]
+        return np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts])
 
 
 def build_cache(
@@ -151,18 +210,21 @@ def build_cache(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     B = rows.tokens.shape[0]
-    meta = {"rows": B, "seq_len": int(rows.tokens.shape[1]), "dtype": dtype, "chunk_rows": chunk_rows}
+    meta = {"rows": B, "seq_len": int(rows.tokens.shape[1]), "dtype": dtype, "chunk_rows": chunk_rows, "format": FORMAT}
     meta["rows_digest"] = rows_digest(rows)
     meta_path = directory / "features.json"
     if meta_path.exists():
         have = json.loads(meta_path.read_text())
         # The chunk size is a storage detail (a cache built at another batch size reads the same rows).
         chunk_rows = meta["chunk_rows"] = have.get("chunk_rows", chunk_rows)
+        if have.get("format") != FORMAT:
+            raise DataError(f"{directory} holds features in another storage format; delete it and build again")
         if have != meta:
             raise DataError(f"{directory} caches features of other rows or settings; use a new directory")
     else:
         meta_path.write_text(json.dumps(meta, indent=1))
     chunks = -(-B // chunk_rows)
+    loss_mask = training_layout(rows)[1]
     done = _manifest(directory)
     for i in tqdm(range(chunks), desc="target features", unit="chunk", disable=not progress):
         if _chunk_whole(directory, i, done.get(i)):
@@ -172,14 +234,21 @@ def build_cache(
         # Pad the last chunk to the full chunk so that one graph serves every chunk.
         take = np.minimum(np.arange(sl.start, sl.start + chunk_rows), B - 1)
         aux, hidden = target_features(
-            params, rows.tokens[take], rows.positions[take], rows.document[take], cfg=cfg, dtype=dtype
+            params, rows.tokens[take], rows.positions[take], rows.document[take], loss_mask[take], cfg=cfg, dtype=dtype
         )
         rec = {"chunk": i}
         for name, arr in (("aux", aux), ("hidden", hidden)):
-            tmp = directory / f"{name}-{i:05d}.tmp.npy"
-            np.save(tmp, _to_disk(np.asarray(arr)[:n]))
-            os.replace(tmp, directory / f"{name}-{i:05d}.npy")
-            rec[name] = _digest(directory / f"{name}-{i:05d}.npy")
+            arr = np.asarray(arr)[:n]
+            path, tmp = directory / f"{name}-{i:05d}.bin", directory / f"{name}-{i:05d}.tmp"
+            msb = []
+            with open(tmp, "wb") as f:
+                for row in arr:
+                    head, rest = _encode_row(row, dtype)
+                    f.write(head)
+                    f.write(rest)
+                    msb.append(len(head))
+            os.replace(tmp, path)
+            rec[name] = {"file": _digest(path), "shape": list(arr.shape[1:]), "msb_bytes": msb}
         with open(directory / "chunks.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
     return FeatureCache(directory)

@@ -387,6 +387,8 @@ def run(recipe: Recipe, output: str | Path, *, log=print, until: str = "train") 
                 ),
             )
         )
+        stored, raw = source_kw["features"].sizes()
+        log(f"feature cache: {stored / 2**30:.2f} GiB, {raw / max(stored, 1):.2f}x smaller than the raw values")
     else:
         source_kw = dict(target=(params, cfg))
     if until == "features":
