@@ -256,9 +256,11 @@ def test_a_killed_feature_cache_build_resumes_without_a_torn_chunk(tmp_path, mon
     cache = features.build_cache(params, CFG, rows, tmp_path / "f", **kw)
     assert len(computed) == chunks - 1  # chunk 0 kept; chunk 1 (torn) and the rest built
     assert sorted(features._manifest(tmp_path / "f")) == list(range(chunks))
-    for r in range(rows.tokens.shape[0]):
+    monkeypatch.setattr(features, "OPEN_CHUNKS", 2)  # a reader maps only the chunks it read last
+    for r in [*range(rows.tokens.shape[0]), 0, 7, 1]:
         for got, ref in zip(cache.rows([r]), want.rows([r]), strict=True):
             np.testing.assert_array_equal(got.view(np.uint16), ref.view(np.uint16))
+        assert len(cache._open) <= 2
 
     # A chunk changed on disk after the build is refused when first read, naming the file.
     path = tmp_path / "f" / "aux-00002.bin"

@@ -22,6 +22,7 @@ and refuses a changed file.
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import json
@@ -79,6 +80,7 @@ def rows_digest(rows: PackedRows) -> str:
 
 
 FORMAT = "msb-deflate"  # features.json's "format": the row layout above
+OPEN_CHUNKS = 256  # chunks a reader keeps memory-mapped
 
 
 def _storage(dtype: str) -> np.dtype:
@@ -152,24 +154,31 @@ class FeatureCache:
             raise DataError(f"{self.dir} holds features in another storage format; delete it and build again")
         self.chunk = self.meta["chunk_rows"]
         self.manifest = _manifest(self.dir)
-        self._open: dict[int, dict[str, tuple]] = {}
+        self._open: collections.OrderedDict[int, dict[str, tuple]] = collections.OrderedDict()
+        self._checked: set[int] = set()
 
     def _chunk(self, i: int) -> dict[str, tuple]:
-        """Chunk i's files, checked and memory-mapped: name -> (bytes, row offsets, sign-and-exponent sizes,
-        row shape)."""
-        if i not in self._open:
-            rec = self.manifest.get(i)
-            chunk = {}
-            for name in ("aux", "hidden"):
-                path = self.dir / f"{name}-{i:05d}.bin"
-                if rec is None or not path.exists() or _digest(path) != rec[name]["file"]:
-                    raise DataError(f"{path}: missing or changed since the cache was built; delete it and build again")
-                shape, msb = tuple(rec[name]["shape"]), rec[name]["msb_bytes"]
-                rest = int(np.prod(shape)) * (_storage(self.meta["dtype"]).itemsize - 1)
-                offsets = np.concatenate([[0], np.cumsum(np.asarray(msb) + rest)[:-1]]).tolist()
-                chunk[name] = (np.memmap(path, np.uint8, mode="r"), offsets, msb, shape)
-            self._open[i] = chunk
-        return self._open[i]
+        """Chunk i's files, checked (once) and memory-mapped: name -> (bytes, row offsets, sign-and-exponent
+        sizes, row shape). The :data:`OPEN_CHUNKS` most recently read stay mapped: an epoch of a large cache
+        reads every chunk, and a process may hold only so many mappings."""
+        if i in self._open:
+            self._open.move_to_end(i)
+            return self._open[i]
+        rec = self.manifest.get(i)
+        chunk = {}
+        for name in ("aux", "hidden"):
+            path = self.dir / f"{name}-{i:05d}.bin"
+            if rec is None or not path.exists() or (i not in self._checked and _digest(path) != rec[name]["file"]):
+                raise DataError(f"{path}: missing or changed since the cache was built; delete it and build again")
+            shape, msb = tuple(rec[name]["shape"]), rec[name]["msb_bytes"]
+            rest = int(np.prod(shape)) * (_storage(self.meta["dtype"]).itemsize - 1)
+            offsets = np.concatenate([[0], np.cumsum(np.asarray(msb) + rest)[:-1]]).tolist()
+            chunk[name] = (np.memmap(path, np.uint8, mode="r"), offsets, msb, shape)
+        self._checked.add(i)
+        self._open[i] = chunk
+        while len(self._open) > OPEN_CHUNKS:
+            self._open.popitem(last=False)
+        return chunk
 
     def spec(self) -> tuple[tuple[tuple[int, ...], np.dtype], tuple[tuple[int, ...], np.dtype]]:
         """((shape, dtype) of a row's aux features, the same of its target hidden states), decoding none."""
