@@ -182,6 +182,10 @@ def test_the_next_shard_fills_the_slots_a_shard_leaves(tmp_path):
     one_by_one = read_shards(regenerate(BatchGenerator(CFG, params, max_seq_len=40), prompts, tmp_path / "b", **kw))
     assert any(early) and len(early) == 10
     assert [(r["index"], r["response_ids"]) for r in streamed] == [(r["index"], r["response_ids"]) for r in one_by_one]
+    # Answers that end at their admission (one token) leave every slot free at once: the stream goes on.
+    gen.engine.admit = admit
+    short = read_shards(regenerate(gen, prompts, tmp_path / "one", **{**kw, "max_new_tokens": 1}))
+    assert [r["response_ids"] for r in short] == [r["response_ids"][:1] for r in one_by_one]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
