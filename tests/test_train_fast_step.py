@@ -19,7 +19,7 @@ from peagle_jax.bench.train import reference_loss
 from peagle_jax.chain_attention import ChainVisibility
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.model import init_drafter_params
-from peagle_jax.train.cod import cod_batch, max_elements
+from peagle_jax.train.cod import batch_shape, cod_batch, loss_elements, max_elements
 from peagle_jax.train.config import TrainConfig
 from peagle_jax.train.loop import compute_config, partition
 from peagle_jax.train.objective import (
@@ -179,6 +179,41 @@ def test_fast_loss_metrics_and_gradients_equal_reference_fp32(seed):
     for name in g:
         a, b = _flat(g[name]), _flat(ref_g[name])
         # Relative to the leaf's gradient norm (single entries near zero carry only rounding).
+        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b), name
+
+
+@pytest.mark.parametrize("buckets", [1, 4])
+def test_bucketed_batch_with_the_head_on_loss_elements_equals_reference(buckets):
+    """A row whose prompts carry no loss (about half of it here): its batch padded only to its bucket's Y
+    elements and the LM head and KL run over only its L elements with loss (``loss_at_BL``) give the
+    reference's loss, metrics and gradients (fp32, 1e-5) on the same elements padded for every position."""
+    full, head = _batch(2)
+    loss_mask = np.asarray(full.loss_mask_BT).copy()
+    loss_mask[0, 70:140] = 0  # a long prompt, and another in the second row
+    loss_mask[1, 30:90] = 0
+    shape = batch_shape(loss_mask.sum(1), T, K, buckets=buckets)
+    assert (shape.Y < Y and shape.L < shape.Y) if buckets > 1 else shape == (Y - 5, Y - 5)
+    elements = cod_batch(loss_mask, shape.Y, num_depths=K, rng=np.random.default_rng(9))
+    padded = cod_batch(loss_mask, Y, num_depths=K, rng=np.random.default_rng(9))
+    at = loss_elements(elements, loss_mask, shape.L)
+    assert (at >= 0).sum() < elements.valid.sum()  # the prompts' depth-0 elements are left out of the head
+
+    def with_elements(els, loss_at=None):
+        a, d, v = map(jnp.asarray, els)
+        return full._replace(
+            loss_mask_BT=jnp.asarray(loss_mask), anchor_BY=a, depth_BY=d, valid_BY=v, loss_at_BL=loss_at
+        )
+
+    fast, ref = with_elements(elements, jnp.asarray(at)), with_elements(padded)
+    trainable, frozen = partition(_params(2), CFG)
+    (loss, m), g = _loss_and_grad(trainable, frozen, fast, head, objective="fast", dtype="float32")
+    (ref_loss, ref_m), ref_g = _loss_and_grad(trainable, frozen, ref, head, objective="reference", dtype="float32")
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(m["loss_sum_K"]), np.asarray(ref_m["loss_sum_K"]), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(m["correct_K"]), np.asarray(ref_m["correct_K"]))
+    np.testing.assert_array_equal(np.asarray(m["count_K"]), np.asarray(ref_m["count_K"]))
+    for name in g:
+        a, b = _flat(g[name]), _flat(ref_g[name])
         assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b), name
 
 

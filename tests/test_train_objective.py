@@ -23,7 +23,15 @@ from speculators.models.peagle.data import generate_cod_sample_indices  # noqa: 
 from speculators_ref import H, U, V, reference_drafter  # noqa: E402
 
 from peagle_jax.drafter.load import load_drafter  # noqa: E402
-from peagle_jax.train.cod import cod_batch, cod_sample, depth_sizes_bound, max_elements, pad_elements  # noqa: E402
+from peagle_jax.train.cod import (  # noqa: E402
+    batch_shape,
+    cod_batch,
+    cod_sample,
+    depth_sizes_bound,
+    loss_elements,
+    max_elements,
+    pad_elements,
+)
 from peagle_jax.train.objective import PEagleBatch, element_mask, peagle_loss, split_trainable  # noqa: E402
 
 
@@ -104,6 +112,35 @@ def test_cod_sampling_invariants_and_sizes(seed, layout):
     np.testing.assert_array_equal(again[0], anchor)
     other = cod_sample(loss_mask, num_depths=K, rng=np.random.default_rng(seed + 10), max_anchors=max_anchors)
     assert not np.array_equal(other[0], anchor)
+
+
+@pytest.mark.parametrize("max_anchors", [None, 90])
+def test_batch_shape_bounds_every_batch_in_a_few_buckets(max_anchors):
+    """Over rows with every share of loss positions: each batch's elements fit its bucket's Y, its elements
+    with loss fit L (and are exactly the valid elements at loss positions), the shapes number at most
+    ``buckets``, and one bucket is :func:`max_elements` for Y and L."""
+    T, K, buckets = 200, 6, 4
+    rng = np.random.default_rng(0)
+    shapes = set()
+    for trial in range(40):
+        loss_mask = (rng.random((2, T)) < trial / 40).astype(np.int32)
+        loss_mask[:, : rng.integers(0, T)] = 0  # a prompt
+        shape = batch_shape(loss_mask.sum(1), T, K, max_anchors=max_anchors, buckets=buckets)
+        shapes.add(shape)
+        elements = cod_batch(loss_mask, shape.Y, num_depths=K, rng=rng, max_anchors=max_anchors)
+        at = loss_elements(elements, loss_mask, shape.L)
+        for b in range(2):
+            pos = elements.anchor[b] + elements.depth[b]
+            want = np.flatnonzero(elements.valid[b] & (loss_mask[b, np.clip(pos, 0, T - 1)] != 0))
+            np.testing.assert_array_equal(at[b][at[b] >= 0], want)
+            assert np.all(at[b][want.shape[0] :] == -1)
+        assert (
+            batch_shape(loss_mask.sum(1), T, K, max_anchors=max_anchors, buckets=1)
+            == (max_elements(T, K, max_anchors=max_anchors),) * 2
+        )
+    assert 1 < len(shapes) <= buckets
+    with pytest.raises(ValueError, match="buckets"):
+        batch_shape([3], T, K, buckets=0)
 
 
 def test_cod_short_sequence_and_padding():

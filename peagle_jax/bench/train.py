@@ -3,7 +3,8 @@ fp32 and bf16 compute, online and cached target features; the memory of one step
 (``--sweep``) the loss tokens/s of drafter shapes. Everything compared is measured side by side in one run.
 
 Throughput: a SmolLM2-sized 2-layer P-EAGLE drafter (random weights: speed does not depend on values)
-trained on random token rows of ``--seq-len`` with every position in the loss; *cached* feeds precomputed
+trained on random token rows of ``--seq-len``, packed conversations whose answers (``--loss-fraction`` of the
+positions, as in the regenerated training data) carry the loss; *cached* feeds precomputed
 features (as read from the feature cache), *online* runs the real SmolLM2 target (fp32, as the training
 pipeline loads it) over each batch first (:func:`peagle_jax.train.features.target_features`, the path
 ``batch.features: online`` takes). *after* is :data:`peagle_jax.train.loop.train_step`; *before* is
@@ -34,7 +35,7 @@ from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.draft import drafter_forward
 from peagle_jax.drafter.model import init_drafter_params, new_drafter_cache
 from peagle_jax.train import loop
-from peagle_jax.train.cod import cod_batch, max_elements
+from peagle_jax.train.cod import batch_shape, cod_batch, loss_elements, max_elements
 from peagle_jax.train.config import TrainConfig
 from peagle_jax.train.features import target_features
 from peagle_jax.train.loop import STEP_STATICS, init_train_state, train_step, train_step_fn
@@ -47,6 +48,7 @@ from peagle_jax.train.objective import (
     loss_weights,
     target_logits,
 )
+from peagle_jax.train.recipe import BatchConfig
 
 # --- the step before the fast one: the reference formulation -------------------------------------------------
 
@@ -105,15 +107,31 @@ reference_step.__doc__ = """The training step before the fast one (:func:`refere
 bf16 product form); same signature as :data:`peagle_jax.train.loop.train_step`. P-EAGLE objective only."""
 
 
-def _batch(rng, B, T, K, aux, hidden, tokens):
-    loss_mask = np.ones((B, T), np.int32)
+CONVERSATION = 256  # positions per packed conversation in the benchmark's rows
+
+
+def loss_mask_of(B: int, T: int, fraction: float) -> np.ndarray:
+    """Rows of conversations of :data:`CONVERSATION` positions, each a prompt (no loss) then an answer making
+    up ``fraction`` of it (the training data's share of answer tokens; 1: every position in the loss)."""
+    prompt = round((1 - fraction) * CONVERSATION)
+    return np.broadcast_to((np.arange(T) % CONVERSATION >= prompt).astype(np.int32), (B, T)).copy()
+
+
+def _batch(seed: int, K, aux, hidden, tokens, loss_mask, *, fast: bool):
+    """The benchmark's batch: as the training data builds it (``fast``: elements padded to their bucket of
+    :func:`peagle_jax.train.cod.batch_shape`, the LM head on the elements with loss), or as the step before
+    the fast one took it (padded for every position in the loss, every element through the head)."""
+    B, T = loss_mask.shape
+    shape = batch_shape(loss_mask.sum(1), T, K, buckets=BatchConfig.element_buckets if fast else 1)
+    elements = cod_batch(loss_mask, shape.Y, num_depths=K, rng=np.random.default_rng(seed))
     return PEagleBatch(
         jnp.asarray(tokens),
         aux,
         hidden,
         jnp.asarray(loss_mask),
-        jnp.zeros((B, T), jnp.int32),
-        *(jnp.asarray(a) for a in cod_batch(loss_mask, max_elements(T, K), num_depths=K, rng=rng)),
+        jnp.asarray(np.arange(T) // CONVERSATION, jnp.int32)[None].repeat(B, 0),
+        *(jnp.asarray(a) for a in elements),
+        jnp.asarray(loss_elements(elements, loss_mask, shape.L)) if fast else None,
     )
 
 
@@ -144,8 +162,9 @@ def throughput(args) -> dict:
     embed = tparams["embed_tokens"]
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 49152, (B, T)).astype(np.int32)
-    positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
-    docs = np.zeros((B, T), np.int32)
+    positions = np.broadcast_to(np.arange(T, dtype=np.int32) % CONVERSATION, (B, T))
+    docs = np.broadcast_to(np.arange(T, dtype=np.int32) // CONVERSATION, (B, T))
+    loss_mask = loss_mask_of(B, T, args.loss_fraction)
 
     def features():
         return target_features(tparams, tokens, positions, docs, cfg=tcfg_model, dtype="float32")
@@ -158,11 +177,15 @@ def throughput(args) -> dict:
     times = {v: [] for v in VARIANTS}
     losses = {v: None for v in VARIANTS}
     for r in range(args.rounds + 1):  # round 0 compiles
-        batch0 = _batch(np.random.default_rng(r), B, T, K, cached_aux, cached_hidden, tokens)
+        batches = {
+            path: _batch(r, K, cached_aux, cached_hidden, tokens, loss_mask, fast=path == "after")
+            for path in ("before", "after")
+        }
         for v in VARIANTS:
             path, dtype, mode = v
             step = reference_step if path == "before" else train_step
             t0 = time.perf_counter()
+            batch0 = batches[path]
             if mode == "cached":
                 batch = batch0
             else:
@@ -174,8 +197,15 @@ def throughput(args) -> dict:
                 times[v].append(time.perf_counter() - t0)
             else:
                 losses[v] = float(m["loss"])
-    loss_tokens = B * T  # every position carries loss here
-    out = {"batch_size": B, "seq_len": T, "num_depths": K, "draft_vocab": args.draft_vocab, "layers": args.layers}
+    loss_tokens = int(loss_mask.sum())
+    out = {
+        "batch_size": B,
+        "seq_len": T,
+        "num_depths": K,
+        "draft_vocab": args.draft_vocab,
+        "layers": args.layers,
+        "loss_fraction": loss_tokens / (B * T),
+    }
     rows = []
     for v in VARIANTS:
         med = statistics.median(times[v])
@@ -203,6 +233,7 @@ def sweep(args) -> list[dict]:
     B, T = args.batch_size, args.seq_len
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 49152, (B, T)).astype(np.int32)
+    loss_mask = loss_mask_of(B, T, args.loss_fraction)
     aux = jnp.asarray(rng.standard_normal((B, T, 3 * 576)), jnp.float32)
     hidden = jnp.asarray(rng.standard_normal((B, T, 576)), jnp.float32)
     embed = jnp.asarray(rng.standard_normal((49152, 576)) * 0.02, jnp.float32)
@@ -214,7 +245,7 @@ def sweep(args) -> list[dict]:
     for r in range(args.rounds + 1):  # round 0 compiles
         for run in runs:
             K = run["shape"][2]
-            batch = _batch(np.random.default_rng(r), B, T, K, aux, hidden, tokens)
+            batch = _batch(r, K, aux, hidden, tokens, loss_mask, fast=True)
             t0 = time.perf_counter()
             run["state"], m = train_step(
                 run["state"], batch, embed[: run["shape"][1]], embed, cfg=run["dcfg"], tcfg=tcfg, num_depths=K
@@ -230,7 +261,7 @@ def sweep(args) -> list[dict]:
             "k_train": run["shape"][2],
             "compute_dtype": args.dtype,
             "step_s": statistics.median(run["t"]),
-            "loss_tokens_per_s": B * T / statistics.median(run["t"]),
+            "loss_tokens_per_s": int(loss_mask.sum()) / statistics.median(run["t"]),
             "vs_first": base / statistics.median(run["t"]),
         }
         for run in runs
@@ -270,6 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-depths", type=int, default=8, help="K_train (default 8)")
     p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary (default 8192)")
     p.add_argument("--layers", type=int, default=2, help="drafter layers for throughput (default 2)")
+    p.add_argument(
+        "--loss-fraction",
+        type=float,
+        default=0.55,
+        help="share of each row's positions in the loss, the rest prompt (default 0.55, the answer share of "
+        "train/configs/smollm2-peagle.yaml's regenerated data; 1 = every position)",
+    )
     p.add_argument("--rounds", type=int, default=3, help="timed rounds per variant; medians (default 3)")
     p.add_argument("--long-seq-len", type=int, default=2048, help="positions for the memory analysis (default 2048)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory analysis")
@@ -288,7 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not 0 < args.loss_fraction <= 1:
+        parser.error(f"--loss-fraction must be in (0, 1], got {args.loss_fraction}")
     if args.sweep:
         rows = sweep(args)
         print(

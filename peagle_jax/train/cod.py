@@ -20,7 +20,11 @@ document id). Here position 0 is left out of that pool. The per-depth sizes do n
 pool of depth 1 is always larger than the depth-1 sample.
 
 Fixed shapes: :func:`pad_elements` pads the element list to a static length Y with invalid elements
-(``valid`` False), which the objective masks out of attention and loss; :func:`max_elements` bounds Y.
+(``valid`` False), which the objective masks out of attention and loss; :func:`max_elements` bounds Y for
+any sequence. A batch's count depends on how many of its positions carry loss (about 55% of a packed row of
+regenerated answers: the prompts carry none), so :func:`batch_shape` sizes each batch from one of a few
+buckets of that count instead: Y, and L, the elements that carry loss (the drafter's LM head and the KL run
+over only those, :func:`loss_elements`). Each bucket is one compiled step.
 """
 
 from __future__ import annotations
@@ -55,6 +59,37 @@ def max_elements(
     """An upper bound on the number of elements of any sequence of ``seq_len`` positions: a static Y."""
     n_seeds = seq_len if max_anchors is None else min(seq_len, max_anchors)
     return seq_len + sum(depth_sizes_bound(n_seeds, num_depths, ratio, ratio_min))
+
+
+class BatchShape(NamedTuple):
+    """Static sizes of a batch's elements: ``Y`` per row, of which at most ``L`` carry loss."""
+
+    Y: int
+    L: int
+
+
+def batch_shape(
+    loss_counts,
+    seq_len: int,
+    num_depths: int,
+    ratio: float = 0.7,
+    ratio_min: float = 0.2,
+    max_anchors: int | None = None,
+    buckets: int = 8,
+) -> BatchShape:
+    """The element sizes for a batch whose rows have ``loss_counts`` loss positions: the largest count is
+    rounded up to a multiple of ``ceil(seq_len / buckets)`` (so at most ``buckets`` shapes, hence compiled
+    steps, over a run; ``buckets=1``: one shape, ``Y = L =`` :func:`max_elements`), and bounds the row's
+    depth-0 elements with loss (one per loss position) and its depth >= 1 elements (:func:`depth_sizes_bound`
+    of its seeds; each of those carries loss)."""
+    if buckets < 1:
+        raise ValueError(f"buckets must be >= 1, got {buckets}")
+    step = -(-seq_len // buckets)
+    top = int(np.max(loss_counts, initial=0))
+    m = min(seq_len, max(1, -(-top // step)) * step)
+    n_seeds = m if max_anchors is None else min(m, max_anchors)
+    masked = sum(depth_sizes_bound(n_seeds, num_depths, ratio, ratio_min))
+    return BatchShape(seq_len + masked, m + masked)
 
 
 def cod_sample(
@@ -100,6 +135,21 @@ def pad_elements(anchor, depth, num_elements: int) -> Elements:
         np.concatenate([depth, np.zeros(pad, np.int32)]).astype(np.int32),
         np.arange(num_elements) < count,
     )
+
+
+def loss_elements(elements: Elements, loss_mask_BT, num_loss: int) -> np.ndarray:
+    """[B, L] int32: per row, the indices of its valid elements whose position carries loss, in order, then
+    -1 up to ``num_loss`` (L, from :func:`batch_shape`)."""
+    loss_mask_BT = np.asarray(loss_mask_BT)
+    T = loss_mask_BT.shape[1]
+    out = np.full((loss_mask_BT.shape[0], num_loss), -1, np.int32)
+    for b, (anchor, depth, valid) in enumerate(zip(*elements, strict=True)):
+        pos = np.clip(anchor + depth, 0, T - 1)
+        idx = np.flatnonzero(valid & (loss_mask_BT[b, pos] != 0))
+        if idx.shape[0] > num_loss:
+            raise ValueError(f"{idx.shape[0]} COD elements carry loss, more than {num_loss}; see batch_shape")
+        out[b, : idx.shape[0]] = idx
+    return out
 
 
 def cod_batch(

@@ -24,7 +24,8 @@ position only, so it is computed per position and gathered per element (:class:`
 Cost (why the step is written as it is; ``python -m peagle_jax.bench.train`` measures it against the former
 step, kept there as :func:`peagle_jax.bench.train.reference_loss`): attention over the T depth-0 elements
 plus K - 1 chain slots per element instead of all Y; the target's logits over T positions instead of Y
-elements; with ``compute_dtype: bfloat16`` every large product in the form XLA's CPU runs on its bf16
+elements; the drafter's LM head and the KL over only the elements that carry loss (``loss_at_BL``: no
+prompt position's); with ``compute_dtype: bfloat16`` every large product in the form XLA's CPU runs on its bf16
 kernel, forward and backward (:func:`peagle_jax.ops.einsum_f32`), the softmaxes and the KL in fp32. Shape letters:
 docs/glossary.md (Y: elements, K: draft depths). The element fields of :class:`PEagleBatch` still spell Y
 as E (``anchor_BY``, ``depth_BY``, ``valid_BY``) until the tests that build them by keyword move too.
@@ -54,6 +55,9 @@ class PEagleBatch(NamedTuple):
     anchor_BY: jax.Array  # int32 [B, Y] (E here: see the module docstring)
     depth_BY: jax.Array  # int32 [B, Y]
     valid_BY: jax.Array  # bool [B, Y], False for padding elements
+    # int32 [B, L]: the elements whose position carries loss, then -1 (peagle_jax.train.cod.loss_elements);
+    # None: every element (the LM head and the KL over all Y)
+    loss_at_BL: jax.Array | None = None
 
 
 def split_trainable(params) -> tuple[dict, dict]:
@@ -197,23 +201,31 @@ def peagle_loss(
     this call counts; the others are context only) and ``total_weight`` (the whole batch's weight, so that
     the partial losses add up to the whole loss).
     """
-    logits_BYU, pos_BY = element_logits(params, batch, embed_VD, cfg=cfg, num_depths=num_depths)
-    tgt = targets(target_head_UD, batch.target_hidden_BTD, cfg.layer.jnp_dtype)
-    kl_BY = kl_to_targets(logits_BYU, tgt, pos_BY)
+    at_BL = None if batch.loss_at_BL is None else jnp.maximum(batch.loss_at_BL, 0)
+    logits_BLU, pos_BY = element_logits(params, batch, embed_VD, cfg=cfg, num_depths=num_depths, logits_at_BL=at_BL)
     w_BY = loss_weights(batch, pos_BY)
     if owned_BY is not None:
         w_BY = w_BY * owned_BY.astype(jnp.float32)
     total = jnp.sum(w_BY) if total_weight is None else total_weight
-    loss = jnp.sum(w_BY * kl_BY) / jnp.maximum(total, 1.0)
-    correct_BY = ops.argmax_first(logits_BYU, axis=-1) == _take(tgt.argmax_BT, pos_BY)
-    return loss, depth_metrics(loss, kl_BY, correct_BY, w_BY, batch.depth_BY, num_depths)
+    depth_BL = batch.depth_BY
+    if at_BL is not None:  # the elements that carry loss (every one with weight), then padding of weight 0
+        w_BY = _take(w_BY, at_BL) * (batch.loss_at_BL >= 0)
+        pos_BY, depth_BL = _take(pos_BY, at_BL), _take(depth_BL, at_BL)
+    tgt = targets(target_head_UD, batch.target_hidden_BTD, cfg.layer.jnp_dtype)
+    kl_BL = kl_to_targets(logits_BLU, tgt, pos_BY)
+    loss = jnp.sum(w_BY * kl_BL) / jnp.maximum(total, 1.0)
+    correct_BL = ops.argmax_first(logits_BLU, axis=-1) == _take(tgt.argmax_BT, pos_BY)
+    return loss, depth_metrics(loss, kl_BL, correct_BL, w_BY, depth_BL, num_depths)
 
 
-def element_logits(params, batch: PEagleBatch, embed_VD=None, *, cfg: DrafterConfig, num_depths: int):
-    """The drafter's logits [B, Y, U] over the draft vocab for every element, in one forward pass under
-    :func:`element_mask` (as :func:`element_visibility`), and the elements' positions [B, Y]. What the
-    element (a, d) predicts here is what :func:`peagle_jax.drafter.draft.parallel_draft` drafts at depth
-    d + 1 from anchor a (tested). ``num_depths``: K_train (elements have depths 0..K-1)."""
+def element_logits(
+    params, batch: PEagleBatch, embed_VD=None, *, cfg: DrafterConfig, num_depths: int, logits_at_BL=None
+):
+    """The drafter's logits [B, Y, U] over the draft vocab for every element (``logits_at_BL``: only for
+    those elements, [B, L, U]), in one forward pass under :func:`element_mask` (as
+    :func:`element_visibility`), and the elements' positions [B, Y]. What the element (a, d) predicts here
+    is what :func:`peagle_jax.drafter.draft.parallel_draft` drafts at depth d + 1 from anchor a (tested).
+    ``num_depths``: K_train (elements have depths 0..K-1)."""
     B, Y = batch.anchor_BY.shape
     tokens_BY, g_BYD, pos_BY = element_inputs(params, batch, cfg=cfg)
     vis = element_visibility(
@@ -228,6 +240,7 @@ def element_logits(params, batch: PEagleBatch, embed_VD=None, *, cfg: DrafterCon
         vis,
         new_drafter_cache(cfg, B, Y, bits=False),  # gradients flow through the cache
         embed_VD,
+        logits_at_BL,
     )
     return out.logits, pos_BY
 

@@ -371,6 +371,8 @@ def run(recipe: Recipe, output: str | Path, *, log=print, until: str = "train") 
         cod_ratio_min=bc.cod_ratio_min,
         max_anchors=bc.max_anchors or None,
         feature_dtype=bc.feature_dtype,
+        # EAGLE-3's objective reads no COD elements: one batch shape, one compiled step
+        element_buckets=1 if tcfg.objective == "eagle3" else bc.element_buckets,
     )
     if bc.features == "cached":
         source_kw = dict(
@@ -419,11 +421,14 @@ def run(recipe: Recipe, output: str | Path, *, log=print, until: str = "train") 
     t_train, tokens = time.perf_counter(), 0
     record = eval_record = None
     end = tcfg.total_steps if not recipe.run.stop_after else min(tcfg.total_steps, first + recipe.run.stop_after)
+    lazy, pos = jax.process_count() > 1, int(state.data_pos)  # the data position of step `first`
+    batch = train.batch_at(pos, lazy_features=lazy) if first < end else None
     for step in range(first, end):
-        batch = train.batch_at(int(state.data_pos), lazy_features=jax.process_count() > 1)
         state, metrics = step_fn(state, meshlib.global_batch(batch, mesh), head, embed)
         step_tokens = int(np.asarray(batch.loss_mask_BT).sum())
         tokens += step_tokens
+        if step + 1 < end:  # the next batch is built on the host while the device runs this step
+            batch = train.batch_at(pos + step + 1 - first, lazy_features=lazy)
         record = summarize(metrics, step)
         record["loss_tokens"] = step_tokens
         if primary:

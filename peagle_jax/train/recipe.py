@@ -219,8 +219,10 @@ class DrafterSection:
 @dataclasses.dataclass(frozen=True)
 class BatchConfig:
     """Rows of ``seq_len`` slots, ``batch_size`` rows per step, ``num_depths`` (K_train) depths; COD keeps
-    ``max(cod_ratio**d, cod_ratio_min)`` of depth d (``max_anchors`` 0 = all); ``features``: ``online``
-    (the target runs for every batch) or ``cached`` (computed once to disk in ``feature_dtype``)."""
+    ``max(cod_ratio**d, cod_ratio_min)`` of depth d (``max_anchors`` 0 = all); ``element_buckets``: how many
+    element counts a batch is padded to, by its loss positions (one compiled step each; 1: every batch
+    padded for all positions in the loss); ``features``: ``online`` (the target runs for every batch) or
+    ``cached`` (computed once to disk in ``feature_dtype``)."""
 
     seq_len: int = 512
     batch_size: int = 4
@@ -228,6 +230,7 @@ class BatchConfig:
     cod_ratio: float = 0.7
     cod_ratio_min: float = 0.2
     max_anchors: int = 0
+    element_buckets: int = 8
     features: str = "cached"
     feature_dtype: str = "float32"
 
@@ -241,6 +244,7 @@ class BatchConfig:
                 ("cod_ratio", 0 < self.cod_ratio <= 1, "must be in (0, 1]"),
                 ("cod_ratio_min", 0 <= self.cod_ratio_min <= 1, "must be in [0, 1]"),
                 ("max_anchors", self.max_anchors >= 0, "must be >= 0"),
+                ("element_buckets", 1 <= self.element_buckets <= self.seq_len, "must be in [1, seq_len]"),
                 ("features", self.features in ("online", "cached"), "must be online or cached"),
                 ("feature_dtype", self.feature_dtype in ("float32", "bfloat16"), "must be float32 or bfloat16"),
             ],

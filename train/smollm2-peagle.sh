@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The whole train/configs/smollm2-peagle.yaml study, every stage resumable (run it again after a stop):
+# regenerate the answers and build the feature cache, compare three drafter shapes for the same training
+# seconds, train the P-EAGLE drafter, then the EAGLE-3 baseline on the same data; a held-out MT-Bench
+# learning curve for each.   usage: train/smollm2-peagle.sh [RUNS_DIR]   (default runs/)
+set -euo pipefail
+runs=${1:-runs}
+recipe=train/configs/smollm2-peagle.yaml
+main=$runs/smollm2-peagle
+python train/train.py --config $recipe --output "$main" --until features
+# name, steps (in the ratio of the step times in docs/bench/train/sweep.json), overrides
+while read -r name steps overrides; do
+  python train/train.py --config $recipe --output "$runs/shapes/$name" data.from_run="$main" \
+    optim.total_steps="$steps" run.export_steps=$((steps / 2)) $overrides
+  python -m peagle_jax.train.curve "$runs/shapes/$name"
+done <<'SHAPES'
+layers2-vocab8192 1800
+layers1-vocab8192 2455 drafter.num_layers=1
+layers2-vocab4096 2177 drafter.draft_vocab_size=4096
+SHAPES
+python train/train.py --config $recipe --output "$main"
+python -m peagle_jax.train.curve "$main"
+python train/train.py --config $recipe --output "$runs/smollm2-eagle3-baseline" \
+  optim.objective=eagle3 batch.num_depths=4 data.from_run="$main"
+python -m peagle_jax.train.curve "$runs/smollm2-eagle3-baseline"
