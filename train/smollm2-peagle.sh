@@ -15,8 +15,8 @@ while read -r name steps overrides; do
   python -m peagle_jax.train.curve "$runs/shapes/$name"
 done <<'SHAPES'
 layers2-vocab8192 1800
-layers1-vocab8192 2455 drafter.num_layers=1
-layers2-vocab4096 2177 drafter.draft_vocab_size=4096
+layers1-vocab8192 2565 drafter.num_layers=1
+layers2-vocab4096 2240 drafter.draft_vocab_size=4096
 SHAPES
 python train/train.py --config $recipe --output "$main"
 python -m peagle_jax.train.curve "$main"
