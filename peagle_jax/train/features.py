@@ -141,6 +141,12 @@ def _chunk_whole(directory: Path, i: int, rec: dict | None) -> bool:
     return True
 
 
+def _check_format(directory: Path, meta: dict) -> None:
+    """Refuse a cache written in another storage format (``features.json``'s ``format``)."""
+    if meta.get("format") != FORMAT:
+        raise DataError(f"{directory} holds features in another storage format; delete it and build again")
+
+
 class FeatureCache:
     """Read access to a built cache; ``rows(idx)`` -> (aux, hidden) numpy arrays for those row ids."""
 
@@ -150,8 +156,7 @@ class FeatureCache:
             self.meta = json.loads((self.dir / "features.json").read_text())
         except (OSError, json.JSONDecodeError):
             raise DataError(f"{self.dir} is not a feature cache (no readable features.json)") from None
-        if self.meta.get("format") != FORMAT:
-            raise DataError(f"{self.dir} holds features in another storage format; delete it and build again")
+        _check_format(self.dir, self.meta)
         self.chunk = self.meta["chunk_rows"]
         self.manifest = _manifest(self.dir)
         self._open: collections.OrderedDict[int, dict[str, tuple]] = collections.OrderedDict()
@@ -226,8 +231,7 @@ def build_cache(
         have = json.loads(meta_path.read_text())
         # The chunk size is a storage detail (a cache built at another batch size reads the same rows).
         chunk_rows = meta["chunk_rows"] = have.get("chunk_rows", chunk_rows)
-        if have.get("format") != FORMAT:
-            raise DataError(f"{directory} holds features in another storage format; delete it and build again")
+        _check_format(directory, have)
         if have != meta:
             raise DataError(f"{directory} caches features of other rows or settings; use a new directory")
     else:
