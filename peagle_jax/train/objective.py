@@ -207,15 +207,16 @@ def peagle_loss(
     if owned_BY is not None:
         w_BY = w_BY * owned_BY.astype(jnp.float32)
     total = jnp.sum(w_BY) if total_weight is None else total_weight
-    depth_BL = batch.depth_BY
-    if at_BL is not None:  # the elements that carry loss (every one with weight), then padding of weight 0
-        w_BY = _take(w_BY, at_BL) * (batch.loss_at_BL >= 0)
-        pos_BY, depth_BL = _take(pos_BY, at_BL), _take(depth_BL, at_BL)
+    if at_BL is None:  # L = Y: every element
+        w_BL, pos_BL, depth_BL = w_BY, pos_BY, batch.depth_BY
+    else:  # the elements that carry loss (every one with weight), then padding of weight 0
+        w_BL = _take(w_BY, at_BL) * (batch.loss_at_BL >= 0)
+        pos_BL, depth_BL = _take(pos_BY, at_BL), _take(batch.depth_BY, at_BL)
     tgt = targets(target_head_UD, batch.target_hidden_BTD, cfg.layer.jnp_dtype)
-    kl_BL = kl_to_targets(logits_BLU, tgt, pos_BY)
-    loss = jnp.sum(w_BY * kl_BL) / jnp.maximum(total, 1.0)
-    correct_BL = ops.argmax_first(logits_BLU, axis=-1) == _take(tgt.argmax_BT, pos_BY)
-    return loss, depth_metrics(loss, kl_BL, correct_BL, w_BY, depth_BL, num_depths)
+    kl_BL = kl_to_targets(logits_BLU, tgt, pos_BL)
+    loss = jnp.sum(w_BL * kl_BL) / jnp.maximum(total, 1.0)
+    correct_BL = ops.argmax_first(logits_BLU, axis=-1) == _take(tgt.argmax_BT, pos_BL)
+    return loss, depth_metrics(loss, kl_BL, correct_BL, w_BL, depth_BL, num_depths)
 
 
 def element_logits(
