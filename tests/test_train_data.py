@@ -273,18 +273,18 @@ def test_batches_are_a_pure_function_of_the_position():
     again = TrainData(rows, train, batch_size=2, num_depths=3, seed=1, features=cache)
     np.testing.assert_array_equal(np.asarray(data.batch_at(3).anchor_BY), np.asarray(again.batch_at(3).anchor_BY))
     # Padded to the batch's bucket, the elements are those of one shape for every batch (element_buckets=1),
-    # and loss_at_BL lists every element with loss weight.
+    # and loss_at_BM lists every element with loss weight.
     one = TrainData(rows, train, batch_size=2, num_depths=3, seed=1, features=cache, element_buckets=1)
     for pos in range(4):
         b, w = data.batch_at(pos), one.batch_at(pos)
         Y = b.anchor_BY.shape[1]
-        assert Y <= w.anchor_BY.shape[1] and b.loss_at_BL.shape[1] <= Y
+        assert Y <= w.anchor_BY.shape[1] and b.loss_at_BM.shape[1] <= Y
         assert not np.asarray(w.valid_BY)[:, Y:].any()
         for f in ("anchor_BY", "depth_BY", "valid_BY"):
             np.testing.assert_array_equal(np.asarray(getattr(b, f)), np.asarray(getattr(w, f))[:, :Y])
         weight = np.asarray(loss_weights(b, element_positions(b.anchor_BY, b.depth_BY, b.tokens_BT.shape[1])))
         for r in range(2):
-            at = np.asarray(b.loss_at_BL[r])
+            at = np.asarray(b.loss_at_BM[r])
             assert set(np.flatnonzero(weight[r])) <= set(at[at >= 0].tolist())
     # One epoch visits every training row once.
     n = len(train)

@@ -19,7 +19,7 @@ from peagle_jax.bench.train import reference_loss
 from peagle_jax.chain_attention import ChainVisibility
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.model import init_drafter_params
-from peagle_jax.train.cod import batch_shape, cod_batch, loss_elements, max_elements
+from peagle_jax.train.cod import batch_shape, cod_batch, loss_elements, loss_positions, max_elements
 from peagle_jax.train.config import TrainConfig
 from peagle_jax.train.loop import compute_config, partition
 from peagle_jax.train.objective import (
@@ -191,26 +191,34 @@ def test_fast_loss_metrics_and_gradients_equal_reference_fp32(seed):
 @pytest.mark.parametrize("buckets", [1, 4])
 def test_bucketed_batch_with_the_head_on_loss_elements_equals_reference(buckets):
     """A row whose prompts carry no loss (about half of it here): its batch padded only to its bucket's Y
-    elements and the LM head and KL run over only its L elements with loss (``loss_at_BL``) give the
-    reference's loss, metrics and gradients (fp32, 1e-5) on the same elements padded for every position."""
+    elements, the LM head and KL run over only its L elements with loss (``loss_at_BM``) and the target's
+    distribution computed at its M loss positions only (``loss_pos_BM``) give the reference's loss, metrics
+    and gradients (fp32, 1e-5) on the same elements padded for every position."""
     full, head = _batch(2)
     loss_mask = np.asarray(full.loss_mask_BT).copy()
     loss_mask[0, 70:140] = 0  # a long prompt, and another in the second row
     loss_mask[1, 30:90] = 0
     shape = batch_shape(loss_mask.sum(1), T, K, buckets=buckets)
-    assert (shape.Y < Y and shape.L < shape.Y) if buckets > 1 else shape == (Y - 5, Y - 5)
+    assert (shape.Y < Y and shape.Y_loss < shape.Y and shape.T_loss < T) if buckets > 1 else shape == (Y - 5, Y - 5, T)
     elements = cod_batch(loss_mask, shape.Y, num_depths=K, rng=np.random.default_rng(9))
     padded = cod_batch(loss_mask, Y, num_depths=K, rng=np.random.default_rng(9))
-    at = loss_elements(elements, loss_mask, shape.L)
+    at = loss_elements(elements, loss_mask, shape.Y_loss)
     assert (at >= 0).sum() < elements.valid.sum()  # the prompts' depth-0 elements are left out of the head
+    loss_pos = loss_positions(loss_mask, shape.T_loss)
 
-    def with_elements(els, loss_at=None):
+    def with_elements(els, loss_at=None, loss_pos=None):
         a, d, v = map(jnp.asarray, els)
         return full._replace(
-            loss_mask_BT=jnp.asarray(loss_mask), anchor_BY=a, depth_BY=d, valid_BY=v, loss_at_BL=loss_at
+            loss_mask_BT=jnp.asarray(loss_mask),
+            anchor_BY=a,
+            depth_BY=d,
+            valid_BY=v,
+            loss_at_BM=loss_at,
+            loss_pos_BM=loss_pos,
         )
 
-    _assert_fast_equals_reference(with_elements(elements, jnp.asarray(at)), with_elements(padded), head, 2)
+    fast = with_elements(elements, jnp.asarray(at), jnp.asarray(loss_pos))
+    _assert_fast_equals_reference(fast, with_elements(padded), head, 2)
 
 
 @pytest.mark.parametrize("objective", ["fast", "reference", "eagle3"])

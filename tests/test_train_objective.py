@@ -29,6 +29,7 @@ from peagle_jax.train.cod import (  # noqa: E402
     cod_sample,
     depth_sizes_bound,
     loss_elements,
+    loss_positions,
     max_elements,
     pad_elements,
 )
@@ -117,8 +118,8 @@ def test_cod_sampling_invariants_and_sizes(seed, layout):
 @pytest.mark.parametrize("max_anchors", [None, 90])
 def test_batch_shape_bounds_every_batch_in_a_few_buckets(max_anchors):
     """Over rows with every share of loss positions: each batch's elements fit its bucket's Y, its elements
-    with loss fit L (and are exactly the valid elements at loss positions), the shapes number at most
-    ``buckets``, and one bucket is :func:`max_elements` for Y and L."""
+    with loss fit L (and are exactly the valid elements at loss positions), its loss positions fit M, the
+    shapes number at most ``buckets``, and one bucket is :func:`max_elements` for Y and L (M = T)."""
     T, K, buckets = 200, 6, 4
     rng = np.random.default_rng(0)
     shapes = set()
@@ -128,16 +129,17 @@ def test_batch_shape_bounds_every_batch_in_a_few_buckets(max_anchors):
         shape = batch_shape(loss_mask.sum(1), T, K, max_anchors=max_anchors, buckets=buckets)
         shapes.add(shape)
         elements = cod_batch(loss_mask, shape.Y, num_depths=K, rng=rng, max_anchors=max_anchors)
-        at = loss_elements(elements, loss_mask, shape.L)
+        at = loss_elements(elements, loss_mask, shape.Y_loss)
         for b in range(2):
             pos = elements.anchor[b] + elements.depth[b]
             want = np.flatnonzero(elements.valid[b] & (loss_mask[b, np.clip(pos, 0, T - 1)] != 0))
             np.testing.assert_array_equal(at[b][at[b] >= 0], want)
             assert np.all(at[b][want.shape[0] :] == -1)
-        assert (
-            batch_shape(loss_mask.sum(1), T, K, max_anchors=max_anchors, buckets=1)
-            == (max_elements(T, K, max_anchors=max_anchors),) * 2
-        )
+        one = batch_shape(loss_mask.sum(1), T, K, max_anchors=max_anchors, buckets=1)
+        assert one == (max_elements(T, K, max_anchors=max_anchors),) * 2 + (T,)
+        positions = loss_positions(loss_mask, shape.T_loss)
+        for b in range(2):
+            np.testing.assert_array_equal(positions[b][positions[b] >= 0], np.flatnonzero(loss_mask[b]))
     assert 1 < len(shapes) <= buckets
     with pytest.raises(ValueError, match="buckets"):
         batch_shape([3], T, K, buckets=0)

@@ -12,7 +12,7 @@ from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.draft import drafter_forward, fuse_aux
 from peagle_jax.drafter.model import init_drafter_params, new_drafter_cache
 from peagle_jax.models.config import ModelConfig
-from peagle_jax.train.cod import cod_batch, max_elements
+from peagle_jax.train.cod import bucketed_elements, cod_batch, max_elements
 from peagle_jax.train.config import TrainConfig
 from peagle_jax.train.loop import loss_and_grad, partition
 from peagle_jax.train.objective import PEagleBatch
@@ -125,3 +125,35 @@ def test_eagle3_objective_trains():
         compiled.append(train_step._cache_size())  # other tests share the jitted step: count from here
     assert losses[-1] < 0.5 * losses[0]
     assert compiled[-1] == compiled[0]
+
+
+@pytest.mark.parametrize("objective, segments", [("eagle3", 1), ("peagle", 1), ("peagle", 3)])
+def test_targets_at_the_loss_positions_only_give_the_same_loss_and_gradients(objective, segments):
+    """The target's distribution computed at the loss positions only (``loss_pos_BM``; for EAGLE-3 also each
+    depth's LM head over the elements at those positions only): the same loss, metrics and gradients (fp32,
+    1e-5) as at every position, also under sequence partitioning."""
+    cfg, K = _cfg(objective), 4
+    trainable, frozen = partition(init_drafter_params(cfg, jax.random.key(7)), cfg)
+    head = jnp.asarray(np.random.default_rng(8).standard_normal((U, Ht)).astype(np.float32))
+    batch = _batch(K, seed=9)
+    loss_mask = np.asarray(batch.loss_mask_BT).copy()
+    loss_mask[:, :8] = 0  # a prompt
+    batch = batch._replace(loss_mask_BT=jnp.asarray(loss_mask))
+    loss_pos = bucketed_elements(loss_mask, num_depths=K, rng=np.random.default_rng(0), buckets=4).loss_pos
+    assert loss_pos.shape[1] < T and (loss_pos == -1).any()
+    compact = batch._replace(loss_pos_BM=jnp.asarray(loss_pos))
+    tcfg = TrainConfig(objective=objective, segments=segments)
+
+    def run(b):
+        return jax.jit(lambda tr: loss_and_grad(tr, frozen, b, head, None, cfg=cfg, tcfg=tcfg, num_depths=K))(trainable)
+
+    (loss, metrics), grads = run(batch)
+    (loss_c, metrics_c), grads_c = run(compact)
+    assert float(loss) > 0.1
+    np.testing.assert_allclose(loss_c, loss, rtol=1e-5)
+    np.testing.assert_allclose(metrics_c["loss_sum_K"], metrics["loss_sum_K"], rtol=1e-5)
+    for key in ("correct_K", "count_K"):
+        np.testing.assert_array_equal(metrics_c[key], metrics[key])
+    for (path, g), gc in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_c), strict=True):
+        scale = float(jnp.max(jnp.abs(g))) + 1e-12
+        assert float(jnp.max(jnp.abs(gc - g))) <= 1e-5 * scale + 1e-9, jax.tree_util.keystr(path)

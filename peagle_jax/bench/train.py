@@ -35,7 +35,7 @@ from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.draft import drafter_forward
 from peagle_jax.drafter.model import init_drafter_params, new_drafter_cache
 from peagle_jax.train import loop
-from peagle_jax.train.cod import batch_shape, cod_batch, loss_elements, max_elements
+from peagle_jax.train.cod import bucketed_elements, cod_batch, max_elements
 from peagle_jax.train.config import TrainConfig
 from peagle_jax.train.features import target_features
 from peagle_jax.train.loop import STEP_STATICS, init_train_state, train_step, train_step_fn
@@ -119,20 +119,19 @@ def loss_mask_of(B: int, T: int, fraction: float) -> np.ndarray:
 
 def _batch(seed: int, K, aux, hidden, tokens, loss_mask, *, fast: bool):
     """The benchmark's batch: as the training data builds it (``fast``: elements padded to their bucket of
-    :func:`peagle_jax.train.cod.batch_shape`, the LM head on the elements with loss), or as the step before
-    the fast one took it (padded for every position in the loss, every element through the head)."""
+    :func:`peagle_jax.train.cod.batch_shape`, the LM head on the elements with loss, the target's distribution
+    at the loss positions), or as the step before the fast one took it (padded for every position in the
+    loss, every element through the head)."""
     B, T = loss_mask.shape
-    shape = batch_shape(loss_mask.sum(1), T, K, buckets=BatchConfig.element_buckets if fast else 1)
-    elements = cod_batch(loss_mask, shape.Y, num_depths=K, rng=np.random.default_rng(seed))
-    return PEagleBatch(
-        jnp.asarray(tokens),
-        aux,
-        hidden,
-        jnp.asarray(loss_mask),
-        jnp.asarray(np.arange(T) // CONVERSATION, jnp.int32)[None].repeat(B, 0),
-        *(jnp.asarray(a) for a in elements),
-        jnp.asarray(loss_elements(elements, loss_mask, shape.L)) if fast else None,
-    )
+    rng = np.random.default_rng(seed)
+    docs = jnp.asarray(np.arange(T) // CONVERSATION, jnp.int32)[None].repeat(B, 0)
+    if fast:
+        bucketed = bucketed_elements(loss_mask, num_depths=K, rng=rng, buckets=BatchConfig.element_buckets)
+        elements, extra = bucketed.elements, (bucketed.loss_at, bucketed.loss_pos)
+    else:
+        elements, extra = cod_batch(loss_mask, max_elements(T, K), num_depths=K, rng=rng), ()
+    fields = (tokens, aux, hidden, loss_mask, docs, *elements, *extra)
+    return PEagleBatch(*(jnp.asarray(a) for a in fields))
 
 
 def _drafter(layers: int, vocab: int, *, shared_embedding: bool):

@@ -23,8 +23,9 @@ Fixed shapes: :func:`pad_elements` pads the element list to a static length Y wi
 (``valid`` False), which the objective masks out of attention and loss; :func:`max_elements` bounds Y for
 any sequence. A batch's count depends on how many of its positions carry loss (about 55% of a packed row of
 regenerated answers: the prompts carry none), so :func:`batch_shape` sizes each batch from one of a few
-buckets of that count instead: Y, and L, the elements that carry loss (the drafter's LM head and the KL run
-over only those, :func:`loss_elements`). Each bucket is one compiled step.
+buckets of that count instead: Y, the elements that carry loss (the drafter's LM head and the KL run over
+only those, :func:`loss_elements`) and the loss positions (:func:`loss_positions`). Each bucket is one
+compiled step.
 """
 
 from __future__ import annotations
@@ -62,10 +63,12 @@ def max_elements(
 
 
 class BatchShape(NamedTuple):
-    """Static sizes of a batch's elements: ``Y`` per row, of which at most ``L`` carry loss."""
+    """Static sizes of a batch: ``Y`` elements per row, of which at most ``Y_loss`` carry loss, over at most
+    ``T_loss`` loss positions."""
 
     Y: int
-    L: int
+    Y_loss: int
+    T_loss: int
 
 
 def batch_shape(
@@ -77,11 +80,11 @@ def batch_shape(
     max_anchors: int | None = None,
     buckets: int = 8,
 ) -> BatchShape:
-    """The element sizes for a batch whose rows have ``loss_counts`` loss positions: the largest count is
-    rounded up to a multiple of ``ceil(seq_len / buckets)`` (so at most ``buckets`` shapes, hence compiled
-    steps, over a run; ``buckets=1``: one shape, ``Y = L =`` :func:`max_elements`), and bounds the row's
-    depth-0 elements with loss (one per loss position) and its depth >= 1 elements (:func:`depth_sizes_bound`
-    of its seeds; each of those carries loss)."""
+    """The sizes for a batch whose rows have ``loss_counts`` loss positions. The largest count, rounded up to
+    a multiple of ``ceil(seq_len / buckets)``, is ``T_loss`` (so at most ``buckets`` shapes, hence compiled
+    steps, over a run); it bounds a row's depth-0 elements with loss (one per loss position) and its depth
+    >= 1 elements (:func:`depth_sizes_bound` of its seeds; each of those carries loss). ``buckets=1``: one
+    shape, ``Y = Y_loss =`` :func:`max_elements` and ``T_loss = seq_len``."""
     if buckets < 1:
         raise ValueError(f"buckets must be >= 1, got {buckets}")
     step = -(-seq_len // buckets)
@@ -89,7 +92,7 @@ def batch_shape(
     m = min(seq_len, max(1, -(-top // step)) * step)
     n_seeds = m if max_anchors is None else min(m, max_anchors)
     masked = sum(depth_sizes_bound(n_seeds, num_depths, ratio, ratio_min))
-    return BatchShape(seq_len + masked, m + masked)
+    return BatchShape(seq_len + masked, m + masked, m)
 
 
 def cod_sample(
@@ -138,8 +141,8 @@ def pad_elements(anchor, depth, num_elements: int) -> Elements:
 
 
 def loss_elements(elements: Elements, loss_mask_BT, num_loss: int) -> np.ndarray:
-    """[B, L] int32: per row, the indices of its valid elements whose position carries loss, in order, then
-    -1 up to ``num_loss`` (L, from :func:`batch_shape`)."""
+    """[B, M] int32: per row, the indices of its valid elements whose position carries loss, in order, then
+    -1 up to ``num_loss`` (``Y_loss`` of :func:`batch_shape`)."""
     loss_mask_BT = np.asarray(loss_mask_BT)
     T = loss_mask_BT.shape[1]
     out = np.full((loss_mask_BT.shape[0], num_loss), -1, np.int32)
@@ -150,6 +153,50 @@ def loss_elements(elements: Elements, loss_mask_BT, num_loss: int) -> np.ndarray
             raise ValueError(f"{idx.shape[0]} COD elements carry loss, more than {num_loss}; see batch_shape")
         out[b, : idx.shape[0]] = idx
     return out
+
+
+def loss_positions(loss_mask_BT, num_positions: int) -> np.ndarray:
+    """[B, M] int32: per row, its positions with loss in order, then -1 up to ``num_positions`` (``T_loss``
+    of :func:`batch_shape`)."""
+    loss_mask_BT = np.asarray(loss_mask_BT)
+    out = np.full((loss_mask_BT.shape[0], num_positions), -1, np.int32)
+    for b, row in enumerate(loss_mask_BT):
+        idx = np.flatnonzero(row)
+        if idx.shape[0] > num_positions:
+            raise ValueError(f"{idx.shape[0]} positions carry loss, more than {num_positions}; see batch_shape")
+        out[b, : idx.shape[0]] = idx
+    return out
+
+
+class BucketedElements(NamedTuple):
+    """A batch's COD elements padded to its bucket (:func:`batch_shape`), with the indices of the elements
+    with loss (:func:`loss_elements`) and the loss positions (:func:`loss_positions`), each [B, M]."""
+
+    elements: Elements
+    loss_at: np.ndarray
+    loss_pos: np.ndarray
+
+
+def bucketed_elements(
+    loss_mask_BT,
+    *,
+    num_depths: int,
+    rng: np.random.Generator,
+    buckets: int,
+    ratio: float = 0.7,
+    ratio_min: float = 0.2,
+    max_anchors: int | None = None,
+) -> BucketedElements:
+    """The host side of a training batch's elements: :func:`cod_batch` at the batch's bucket, and the
+    indices the objectives gather the loss through."""
+    loss_mask_BT = np.asarray(loss_mask_BT)
+    B, T = loss_mask_BT.shape
+    shape = batch_shape(np.count_nonzero(loss_mask_BT, axis=1), T, num_depths, ratio, ratio_min, max_anchors, buckets)
+    cod = dict(ratio=ratio, ratio_min=ratio_min, max_anchors=max_anchors)
+    elements = cod_batch(loss_mask_BT, shape.Y, num_depths=num_depths, rng=rng, **cod)
+    return BucketedElements(
+        elements, loss_elements(elements, loss_mask_BT, shape.Y_loss), loss_positions(loss_mask_BT, shape.T_loss)
+    )
 
 
 def cod_batch(

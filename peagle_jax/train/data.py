@@ -3,9 +3,9 @@
 ``batch_at(pos)`` (the step's data position, saved in checkpoints) takes rows ``pos*B .. pos*B+B-1`` of the
 endless sequence of epochs, each epoch a seeded permutation of the training rows, and COD-samples their
 elements with a generator seeded by ``(seed, pos)``. Nothing depends on earlier calls, so a resumed run sees
-exactly the batches an uninterrupted one would. Shapes are static: B rows of T slots, Y elements of which L
-carry loss, Y and L from one of ``element_buckets`` sizes by the batch's loss positions
-(:func:`~peagle_jax.train.cod.batch_shape`).
+exactly the batches an uninterrupted one would. Shapes are static: B rows of T slots and Y elements, with the
+elements that carry loss and the loss positions, each sized to one of ``element_buckets`` buckets by the
+batch's loss positions (:func:`~peagle_jax.train.cod.batch_shape`).
 
 Features come from a :class:`~peagle_jax.train.features.FeatureCache` (cached) or from the target itself
 (online, :func:`~peagle_jax.train.features.target_features` on the batch's rows).
@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from peagle_jax.train.cod import BatchShape, batch_shape, cod_batch, loss_elements
+from peagle_jax.train.cod import bucketed_elements
 from peagle_jax.train.features import FeatureCache, target_features
 from peagle_jax.train.objective import PEagleBatch
 from peagle_jax.train.pack import PackedRows, training_layout
@@ -92,9 +92,12 @@ class TrainData:
         asked of them (a process of a multi-process run fills only its own devices' shards)."""
         idx = self.rows_at(pos)
         tokens, loss_mask, docs = (a[idx] for a in self.layout)
-        shape = self.shape_of(loss_mask)
-        elements = cod_batch(
-            loss_mask, shape.Y, num_depths=self.K, rng=np.random.default_rng((self.seed, 2, pos)), **self.cod
+        bucketed = bucketed_elements(
+            loss_mask,
+            num_depths=self.K,
+            rng=np.random.default_rng((self.seed, 2, pos)),
+            buckets=self.element_buckets,
+            **self.cod,
         )
         if lazy_features:
             aux, hidden = LazyRows.pair(self, idx)
@@ -106,21 +109,9 @@ class TrainData:
             hidden,
             jnp.asarray(loss_mask),
             jnp.asarray(docs),
-            *(jnp.asarray(a) for a in elements),
-            jnp.asarray(loss_elements(elements, loss_mask, shape.L)),
-        )
-
-    def shape_of(self, loss_mask_BT) -> BatchShape:
-        """The element sizes of a batch with this loss mask (its bucket)."""
-        c = self.cod
-        return batch_shape(
-            np.count_nonzero(loss_mask_BT, axis=1),
-            loss_mask_BT.shape[1],
-            self.K,
-            c["ratio"],
-            c["ratio_min"],
-            c["max_anchors"],
-            self.element_buckets,
+            *(jnp.asarray(a) for a in bucketed.elements),
+            jnp.asarray(bucketed.loss_at),
+            jnp.asarray(bucketed.loss_pos),
         )
 
 

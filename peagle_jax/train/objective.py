@@ -24,11 +24,11 @@ position only, so it is computed per position and gathered per element (:class:`
 Cost (why the step is written as it is; ``python -m peagle_jax.bench.train`` measures it against the former
 step, kept there as :func:`peagle_jax.bench.train.reference_loss`): attention over the T depth-0 elements
 plus K - 1 chain slots per element instead of all Y; the target's logits over T positions instead of Y
-elements; the drafter's LM head and the KL over only the elements that carry loss (``loss_at_BL``: no
-prompt position's); with ``compute_dtype: bfloat16`` every large product in the form XLA's CPU runs on its bf16
-kernel, forward and backward (:func:`peagle_jax.ops.einsum_f32`), the softmaxes and the KL in fp32. Shape letters:
-docs/glossary.md (Y: elements, K: draft depths). The element fields of :class:`PEagleBatch` still spell Y
-as E (``anchor_BY``, ``depth_BY``, ``valid_BY``) until the tests that build them by keyword move too.
+elements, and at the loss positions only (``loss_pos_BM``); the drafter's LM head and the KL over only the
+elements that carry loss (``loss_at_BM``: no prompt position's); with ``compute_dtype: bfloat16`` every
+large product in the form XLA's CPU runs on its bf16 kernel, forward and backward
+(:func:`peagle_jax.ops.einsum_f32`), the softmaxes and the KL in fp32. Shape letters: docs/glossary.md
+(Y: elements, M: elements or positions gathered before a head, K: draft depths).
 """
 
 from __future__ import annotations
@@ -52,12 +52,15 @@ class PEagleBatch(NamedTuple):
     target_hidden_BTD: jax.Array  # target final normed hidden states (the target's D)
     loss_mask_BT: jax.Array  # 0/1
     document_ids_BT: jax.Array  # int32, -1 for padding positions
-    anchor_BY: jax.Array  # int32 [B, Y] (E here: see the module docstring)
+    anchor_BY: jax.Array  # int32 [B, Y]
     depth_BY: jax.Array  # int32 [B, Y]
     valid_BY: jax.Array  # bool [B, Y], False for padding elements
-    # int32 [B, L]: the elements whose position carries loss, then -1 (peagle_jax.train.cod.loss_elements);
+    # int32 [B, M]: the elements whose position carries loss, then -1 (peagle_jax.train.cod.loss_elements);
     # None: every element (the LM head and the KL over all Y)
-    loss_at_BL: jax.Array | None = None
+    loss_at_BM: jax.Array | None = None
+    # int32 [B, M]: the positions with loss, then -1 (peagle_jax.train.cod.loss_positions); the target's
+    # distribution is computed there only. None: at every position
+    loss_pos_BM: jax.Array | None = None
 
 
 def split_trainable(params) -> tuple[dict, dict]:
@@ -159,10 +162,12 @@ class Targets(NamedTuple):
     argmax_BT: jax.Array  # int32, first maximum of the target logits
 
 
-def targets(target_head_UD, target_hidden_BTD, dtype=jnp.float32) -> Targets:
-    """:class:`Targets` of every position; the logits' product takes operands in ``dtype`` (the compute
-    dtype: bf16 operands accumulate in f32) and the softmax is fp32."""
-    t_BTU = target_logits(target_head_UD.astype(dtype), target_hidden_BTD.astype(dtype))
+def targets(target_head_UD, target_hidden_BTD, dtype=jnp.float32, at_BM=None) -> Targets:
+    """:class:`Targets` of every position (``at_BM``: of those positions only, [B, M] in place of [B, T]);
+    the logits' product takes operands in ``dtype`` (the compute dtype: bf16 operands accumulate in f32) and
+    the softmax is fp32."""
+    hidden = target_hidden_BTD if at_BM is None else _take(target_hidden_BTD, at_BM)
+    t_BTU = target_logits(target_head_UD.astype(dtype), hidden.astype(dtype))
     log_p = jax.nn.log_softmax(t_BTU, axis=-1)
     p = jnp.exp(log_p)
     return Targets(p, log_p, jnp.sum(p * log_p, axis=-1), ops.argmax_first(t_BTU, axis=-1))
@@ -201,29 +206,46 @@ def peagle_loss(
     this call counts; the others are context only) and ``total_weight`` (the whole batch's weight, so that
     the partial losses add up to the whole loss).
     """
-    at_BL = None if batch.loss_at_BL is None else jnp.maximum(batch.loss_at_BL, 0)
-    logits_BLU, pos_BY = element_logits(params, batch, embed_VD, cfg=cfg, num_depths=num_depths, logits_at_BL=at_BL)
+    at_BM = None if batch.loss_at_BM is None else jnp.maximum(batch.loss_at_BM, 0)
+    logits_BMU, pos_BY = element_logits(params, batch, embed_VD, cfg=cfg, num_depths=num_depths, logits_at_BM=at_BM)
     w_BY = loss_weights(batch, pos_BY)
     if owned_BY is not None:
         w_BY = w_BY * owned_BY.astype(jnp.float32)
     total = jnp.sum(w_BY) if total_weight is None else total_weight
-    if at_BL is None:  # L = Y: every element
-        w_BL, pos_BL, depth_BL = w_BY, pos_BY, batch.depth_BY
+    if at_BM is None:  # every element
+        w_BM, pos_BM, depth_BM = w_BY, pos_BY, batch.depth_BY
     else:  # the elements that carry loss (every one with weight), then padding of weight 0
-        w_BL = _take(w_BY, at_BL) * (batch.loss_at_BL >= 0)
-        pos_BL, depth_BL = _take(pos_BY, at_BL), _take(batch.depth_BY, at_BL)
-    tgt = targets(target_head_UD, batch.target_hidden_BTD, cfg.layer.jnp_dtype)
-    kl_BL = kl_to_targets(logits_BLU, tgt, pos_BL)
-    loss = jnp.sum(w_BL * kl_BL) / jnp.maximum(total, 1.0)
-    correct_BL = ops.argmax_first(logits_BLU, axis=-1) == _take(tgt.argmax_BT, pos_BL)
-    return loss, depth_metrics(loss, kl_BL, correct_BL, w_BL, depth_BL, num_depths)
+        w_BM = _take(w_BY, at_BM) * (batch.loss_at_BM >= 0)
+        pos_BM, depth_BM = _take(pos_BY, at_BM), _take(batch.depth_BY, at_BM)
+    tgt, at_BM = loss_targets(target_head_UD, batch, cfg.layer.jnp_dtype), target_index(batch, pos_BM)
+    kl_BM = kl_to_targets(logits_BMU, tgt, at_BM)
+    loss = jnp.sum(w_BM * kl_BM) / jnp.maximum(total, 1.0)
+    correct_BM = ops.argmax_first(logits_BMU, axis=-1) == _take(tgt.argmax_BT, at_BM)
+    return loss, depth_metrics(loss, kl_BM, correct_BM, w_BM, depth_BM, num_depths)
+
+
+def loss_targets(target_head_UD, batch: PEagleBatch, dtype) -> Targets:
+    """The target's :class:`Targets` at every position, or with ``batch.loss_pos_BM`` at the loss positions
+    only ([B, M]): no prompt position's distribution is computed."""
+    at_BM = None if batch.loss_pos_BM is None else jnp.maximum(batch.loss_pos_BM, 0)
+    return targets(target_head_UD, batch.target_hidden_BTD, dtype, at_BM)
+
+
+def target_index(batch: PEagleBatch, pos_BM):
+    """Where elements at positions ``pos_BM`` read :func:`loss_targets`: their positions, or, per loss
+    position, p's rank among the row's loss positions (an element elsewhere carries no loss and reads a
+    clipped index)."""
+    if batch.loss_pos_BM is None:
+        return pos_BM
+    rank_BT = jnp.cumsum(batch.loss_mask_BT != 0, axis=1, dtype=jnp.int32) - 1
+    return jnp.clip(_take(rank_BT, pos_BM), 0, batch.loss_pos_BM.shape[1] - 1)
 
 
 def element_logits(
-    params, batch: PEagleBatch, embed_VD=None, *, cfg: DrafterConfig, num_depths: int, logits_at_BL=None
+    params, batch: PEagleBatch, embed_VD=None, *, cfg: DrafterConfig, num_depths: int, logits_at_BM=None
 ):
-    """The drafter's logits [B, Y, U] over the draft vocab for every element (``logits_at_BL``: only for
-    those elements, [B, L, U]), in one forward pass under :func:`element_mask` (as
+    """The drafter's logits [B, Y, U] over the draft vocab for every element (``logits_at_BM``: only for
+    those elements, [B, M, U]), in one forward pass under :func:`element_mask` (as
     :func:`element_visibility`), and the elements' positions [B, Y]. What the element (a, d) predicts here
     is what :func:`peagle_jax.drafter.draft.parallel_draft` drafts at depth d + 1 from anchor a (tested).
     ``num_depths``: K_train (elements have depths 0..K-1)."""
@@ -241,7 +263,7 @@ def element_logits(
         vis,
         new_drafter_cache(cfg, B, Y, bits=False),  # gradients flow through the cache
         embed_VD,
-        logits_at_BL,
+        logits_at_BM,
     )
     return out.logits, pos_BY
 

@@ -52,7 +52,7 @@ def segment_batch(batch: PEagleBatch, s, *, segments: int, capacity: int) -> tup
         anchor_BY=jnp.concatenate([a0, take(am)], axis=1),
         depth_BY=jnp.concatenate([batch.depth_BY[:, :T], take(dm)], axis=1),
         valid_BY=jnp.concatenate([v0 & (a0 < hi), sel_valid], axis=1),
-        loss_at_BL=None,  # it indexes the whole row's elements: the head runs over the segment's
+        loss_at_BM=None,  # it indexes the whole row's elements: the head runs over the segment's
     )
     owned = jnp.concatenate([v0 & (a0 >= lo) & (a0 < hi), sel_valid], axis=1)
     return part, owned

@@ -371,8 +371,7 @@ def run(recipe: Recipe, output: str | Path, *, log=print, until: str = "train") 
         cod_ratio_min=bc.cod_ratio_min,
         max_anchors=bc.max_anchors or None,
         feature_dtype=bc.feature_dtype,
-        # EAGLE-3's objective reads no COD elements: one batch shape, one compiled step
-        element_buckets=1 if tcfg.objective == "eagle3" else bc.element_buckets,
+        element_buckets=bc.element_buckets,
     )
     if bc.features == "cached":
         source_kw = dict(

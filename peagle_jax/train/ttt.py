@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from peagle_jax import ops
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.model import Drafter, new_drafter_cache
-from peagle_jax.train.objective import PEagleBatch, _take, depth_metrics, kl_to_targets, targets
+from peagle_jax.train.objective import PEagleBatch, _take, depth_metrics, kl_to_targets, loss_targets
 
 
 def ttt_visible(document_ids_BT, depth: int, num_depths: int):
@@ -43,7 +43,8 @@ def ttt_visible(document_ids_BT, depth: int, num_depths: int):
 
 def ttt_forward(params, batch: PEagleBatch, embed_VD=None, *, cfg: DrafterConfig, num_depths: int):
     """Per depth d (K of them): ``(draft logits [B, T, U], exists [B, T], position [B, T])`` of the elements
-    anchored at every slot a of the row."""
+    anchored at every slot a of the row; with ``batch.loss_pos_BM``, of the elements at the M loss positions
+    only (anchored at p - d; the LM head runs on those alone): ``[B, M, U], [B, M], [B, M]``."""
     B, T = batch.tokens_BT.shape
     K = num_depths
     drafter = Drafter(cfg)
@@ -56,6 +57,12 @@ def ttt_forward(params, batch: PEagleBatch, embed_VD=None, *, cfg: DrafterConfig
         pos_BT = jnp.minimum(a_BT + d, T - 1)
         exists_BT = (a_BT + d < T) & (doc >= 0) & (_take(doc, pos_BT) == doc)
         tokens_BT = jnp.where(exists_BT, _take(batch.tokens_BT.astype(jnp.int32), pos_BT), 0)
+        at_BM = None
+        if batch.loss_pos_BM is not None:  # the anchors whose depth-d element sits on a loss position
+            p_BM = batch.loss_pos_BM
+            at_BM = jnp.maximum(p_BM - d, 0)
+            exists_BT = _take(exists_BT, at_BM) & (p_BM >= d)  # p >= d: an anchor exists; -1 padding: none
+            pos_BT = jnp.maximum(p_BM, 0)
         out, cache = drafter.apply(
             {"params": params},
             tokens_BT,
@@ -65,6 +72,7 @@ def ttt_forward(params, batch: PEagleBatch, embed_VD=None, *, cfg: DrafterConfig
             ttt_visible(doc, d, K),
             cache,
             embed_VD,
+            at_BM,
         )
         g_BTD = out.hidden
         outs.append((out.logits, exists_BT, pos_BT))
@@ -74,16 +82,17 @@ def ttt_forward(params, batch: PEagleBatch, embed_VD=None, *, cfg: DrafterConfig
 def ttt_loss(params, batch: PEagleBatch, target_head_UD, embed_VD=None, *, cfg: DrafterConfig, num_depths: int):
     """EAGLE-3 TTT loss and per-depth metrics (as :func:`peagle_jax.train.objective.peagle_loss`). Only the
     per-position fields of ``batch`` are used; its COD elements are ignored (TTT keeps every depth)."""
-    B, T = batch.tokens_BT.shape
-    tgt = targets(target_head_UD, batch.target_hidden_BTD, cfg.layer.jnp_dtype)  # per position, gathered per depth
+    tgt = loss_targets(target_head_UD, batch, cfg.layer.jnp_dtype)  # per (loss) position, gathered per depth
     kls, correct, weights, depths = [], [], [], []
     for d, (logits_BTU, exists_BT, pos_BT) in enumerate(
         ttt_forward(params, batch, embed_VD, cfg=cfg, num_depths=num_depths)
     ):
-        kls.append(kl_to_targets(logits_BTU, tgt, pos_BT))
-        correct.append(ops.argmax_first(logits_BTU, axis=-1) == _take(tgt.argmax_BT, pos_BT))
+        # per loss position, depth d's elements are in the targets' order
+        at_BT = pos_BT if batch.loss_pos_BM is None else jnp.broadcast_to(jnp.arange(pos_BT.shape[1]), pos_BT.shape)
+        kls.append(kl_to_targets(logits_BTU, tgt, at_BT))
+        correct.append(ops.argmax_first(logits_BTU, axis=-1) == _take(tgt.argmax_BT, at_BT))
         weights.append((exists_BT & (_take(batch.loss_mask_BT, pos_BT) != 0)).astype(jnp.float32))
-        depths.append(jnp.full((B, T), d, jnp.int32))
+        depths.append(jnp.full(pos_BT.shape, d, jnp.int32))
     kl_BY, w_BY = jnp.concatenate(kls, axis=1), jnp.concatenate(weights, axis=1)
     loss = jnp.sum(w_BY * kl_BY) / jnp.maximum(jnp.sum(w_BY), 1.0)
     correct_BY = jnp.concatenate(correct, axis=1)
