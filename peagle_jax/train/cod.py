@@ -140,32 +140,31 @@ def pad_elements(anchor, depth, num_elements: int) -> Elements:
     )
 
 
+def _padded_indices(mask_BN, size: int, what: str) -> np.ndarray:
+    """[B, size] int32: per row, the indices where ``mask_BN`` is set, in order, then -1."""
+    out = np.full((mask_BN.shape[0], size), -1, np.int32)
+    for b, row in enumerate(mask_BN):
+        idx = np.flatnonzero(row)
+        if idx.shape[0] > size:
+            raise ValueError(f"{idx.shape[0]} {what} carry loss, more than {size}; see batch_shape")
+        out[b, : idx.shape[0]] = idx
+    return out
+
+
 def loss_elements(elements: Elements, loss_mask_BT, num_loss: int) -> np.ndarray:
     """[B, M] int32: per row, the indices of its valid elements whose position carries loss, in order, then
     -1 up to ``num_loss`` (``Y_loss`` of :func:`batch_shape`)."""
     loss_mask_BT = np.asarray(loss_mask_BT)
     T = loss_mask_BT.shape[1]
-    out = np.full((loss_mask_BT.shape[0], num_loss), -1, np.int32)
-    for b, (anchor, depth, valid) in enumerate(zip(*elements, strict=True)):
-        pos = np.clip(anchor + depth, 0, T - 1)
-        idx = np.flatnonzero(valid & (loss_mask_BT[b, pos] != 0))
-        if idx.shape[0] > num_loss:
-            raise ValueError(f"{idx.shape[0]} COD elements carry loss, more than {num_loss}; see batch_shape")
-        out[b, : idx.shape[0]] = idx
-    return out
+    pos_BY = np.clip(elements.anchor + elements.depth, 0, T - 1)
+    carries_BY = elements.valid & (np.take_along_axis(loss_mask_BT, pos_BY, axis=1) != 0)
+    return _padded_indices(carries_BY, num_loss, "COD elements")
 
 
 def loss_positions(loss_mask_BT, num_positions: int) -> np.ndarray:
     """[B, M] int32: per row, its positions with loss in order, then -1 up to ``num_positions`` (``T_loss``
     of :func:`batch_shape`)."""
-    loss_mask_BT = np.asarray(loss_mask_BT)
-    out = np.full((loss_mask_BT.shape[0], num_positions), -1, np.int32)
-    for b, row in enumerate(loss_mask_BT):
-        idx = np.flatnonzero(row)
-        if idx.shape[0] > num_positions:
-            raise ValueError(f"{idx.shape[0]} positions carry loss, more than {num_positions}; see batch_shape")
-        out[b, : idx.shape[0]] = idx
-    return out
+    return _padded_indices(np.asarray(loss_mask_BT) != 0, num_positions, "positions")
 
 
 class BucketedElements(NamedTuple):
@@ -190,7 +189,7 @@ def bucketed_elements(
     """The host side of a training batch's elements: :func:`cod_batch` at the batch's bucket, and the
     indices the objectives gather the loss through."""
     loss_mask_BT = np.asarray(loss_mask_BT)
-    B, T = loss_mask_BT.shape
+    T = loss_mask_BT.shape[1]
     shape = batch_shape(np.count_nonzero(loss_mask_BT, axis=1), T, num_depths, ratio, ratio_min, max_anchors, buckets)
     cod = dict(ratio=ratio, ratio_min=ratio_min, max_anchors=max_anchors)
     elements = cod_batch(loss_mask_BT, shape.Y, num_depths=num_depths, rng=rng, **cod)

@@ -217,10 +217,10 @@ def peagle_loss(
     else:  # the elements that carry loss (every one with weight), then padding of weight 0
         w_BM = _take(w_BY, at_BM) * (batch.loss_at_BM >= 0)
         pos_BM, depth_BM = _take(pos_BY, at_BM), _take(batch.depth_BY, at_BM)
-    tgt, at_BM = loss_targets(target_head_UD, batch, cfg.layer.jnp_dtype), target_index(batch, pos_BM)
-    kl_BM = kl_to_targets(logits_BMU, tgt, at_BM)
+    tgt, tgt_at_BM = loss_targets(target_head_UD, batch, cfg.layer.jnp_dtype), target_index(batch, pos_BM)
+    kl_BM = kl_to_targets(logits_BMU, tgt, tgt_at_BM)
     loss = jnp.sum(w_BM * kl_BM) / jnp.maximum(total, 1.0)
-    correct_BM = ops.argmax_first(logits_BMU, axis=-1) == _take(tgt.argmax_BT, at_BM)
+    correct_BM = ops.argmax_first(logits_BMU, axis=-1) == _take(tgt.argmax_BT, tgt_at_BM)
     return loss, depth_metrics(loss, kl_BM, correct_BM, w_BM, depth_BM, num_depths)
 
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from peagle_jax import ops
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.model import Drafter, new_drafter_cache
-from peagle_jax.train.objective import PEagleBatch, _take, depth_metrics, kl_to_targets, loss_targets
+from peagle_jax.train.objective import PEagleBatch, _take, depth_metrics, kl_to_targets, loss_targets, target_index
 
 
 def ttt_visible(document_ids_BT, depth: int, num_depths: int):
@@ -87,8 +87,7 @@ def ttt_loss(params, batch: PEagleBatch, target_head_UD, embed_VD=None, *, cfg: 
     for d, (logits_BTU, exists_BT, pos_BT) in enumerate(
         ttt_forward(params, batch, embed_VD, cfg=cfg, num_depths=num_depths)
     ):
-        # per loss position, depth d's elements are in the targets' order
-        at_BT = pos_BT if batch.loss_pos_BM is None else jnp.broadcast_to(jnp.arange(pos_BT.shape[1]), pos_BT.shape)
+        at_BT = target_index(batch, pos_BT)
         kls.append(kl_to_targets(logits_BTU, tgt, at_BT))
         correct.append(ops.argmax_first(logits_BTU, axis=-1) == _take(tgt.argmax_BT, at_BT))
         weights.append((exists_BT & (_take(batch.loss_mask_BT, pos_BT) != 0)).astype(jnp.float32))
