@@ -1,9 +1,11 @@
-"""Attention under P-EAGLE training's element visibility: a dense prefix plus each query's own short chain.
+"""Attention under training's visibilities: a dense prefix plus each query's own short chain.
 
-Training attends Y elements (depth-0 tokens and COD-sampled mask elements) over the same Y elements. A query
-sees the depth-0 elements up to its anchor and the at most K - 1 elements of its own chain, so
+P-EAGLE training attends Y elements (depth-0 tokens and COD-sampled mask elements) over the same Y elements.
+A query sees the depth-0 elements up to its anchor and the at most K - 1 elements of its own chain, so
 :class:`ChainVisibility` stores that as a ``[B, Y, C]`` prefix mask and ``[B, Y, E]`` gathered chain slots,
-and :func:`chain_attention` costs ``Y * (C + E)`` scores instead of ``Y * Y``.
+and :func:`chain_attention` costs ``Y * (C + E)`` scores instead of ``Y * Y``. EAGLE-3's training-time test
+(:mod:`peagle_jax.train.ttt`) has the same form at each depth d: T queries over the depth-0 block of T slots
+and, per query, its own slot in each of the d deeper blocks of the K * T-slot cache.
 
 The computation is tiled over the queries, forward and backward, with a hand-written gradient (the usual
 fused-attention one: the backward recomputes each tile's probabilities from the saved log-sum-exp instead of
@@ -16,9 +18,9 @@ training step's time: ``python -m peagle_jax.bench.train`` (docs/bench/train/REA
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,25 +32,38 @@ from peagle_jax.ops import MASK_VALUE, einsum_f32
 TILE_SCORES = 1 << 21
 
 
-class ChainVisibility(NamedTuple):
-    """A visibility of T new queries over their own T slots (start 0) made of a dense prefix and a few
-    gathered slots: query t sees prefix slot c < C iff ``prefix_BTC[b, t, c]``, and slot ``chain_BTE[b, t, e]``
-    iff ``chain_ok_BTE[b, t, e]``; no other slot. The chain slots must lie at or beyond C (never counted
-    twice). P-EAGLE training's element mask has this form (:func:`peagle_jax.train.objective.element_visibility`):
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["prefix_BTC", "chain_BTE", "chain_ok_BTE"], meta_fields=["slots"]
+)
+@dataclasses.dataclass(frozen=True)
+class ChainVisibility:
+    """A visibility of T new queries over a window of S cache slots made of a dense prefix and a few gathered
+    slots: query t sees prefix slot c < C iff ``prefix_BTC[b, t, c]``, and slot ``chain_BTE[b, t, e]`` iff
+    ``chain_ok_BTE[b, t, e]``; no other slot. The chain slots must lie at or beyond C (never counted twice)
+    and below S. ``slots`` is S (0: S = T, the queries' own slots from 0).
+
+    P-EAGLE training's element mask has this form (:func:`peagle_jax.train.objective.element_visibility`):
     the depth-0 elements up to the query's anchor, then the query's own chain of at most K - 1 mask elements.
-    Passed to :func:`peagle_jax.ops.attention` in place of a boolean mask, it costs ``T * (C + E)`` scores
-    instead of ``T * T``.
+    So has EAGLE-3's at depth d (:func:`peagle_jax.train.ttt.ttt_visibility`): the depth-0 block, then the
+    anchor's own slot in each of the d deeper blocks. Passed to :func:`peagle_jax.ops.attention` in place of a
+    boolean mask, it costs ``T * (C + E)`` scores instead of ``T * S``.
     """
 
     prefix_BTC: jax.Array  # bool
     chain_BTE: jax.Array  # int32 slot indices
     chain_ok_BTE: jax.Array  # bool
+    slots: int = 0
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        """The shape of the dense [B, T, T] mask it stands for (the attention window is this call's T slots)."""
+        """The shape of the dense [B, T, S] mask it stands for (the attention window is S slots)."""
         B, T, _ = self.prefix_BTC.shape
-        return (B, T, T)
+        return (B, T, self.slots or T)
+
+    @property
+    def arrays(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(prefix, chain slots, chain ok)."""
+        return (self.prefix_BTC, self.chain_BTE, self.chain_ok_BTE)
 
 
 def num_tiles(B: int, T: int, N: int, C: int) -> int:
@@ -69,8 +84,9 @@ def chain_attention(q_BTNH, k_BGSH, v_BGSH, vis: ChainVisibility):
     pad = -T % n
     if pad:
         q_BTNH = jnp.pad(q_BTNH, ((0, 0), (0, pad), (0, 0), (0, 0)))
-        vis = ChainVisibility(*(jnp.pad(x, ((0, 0), (0, pad), (0, 0))) for x in vis))  # False / slot 0
-    return _tiled(n, q_BTNH, k_BGSH, v_BGSH, *vis)[:, :T]
+        arrays = (jnp.pad(x, ((0, 0), (0, pad), (0, 0))) for x in vis.arrays)  # False / slot 0
+        vis = ChainVisibility(*arrays, slots=vis.slots)
+    return _tiled(n, q_BTNH, k_BGSH, v_BGSH, *vis.arrays)[:, :T]
 
 
 def _tiles(n: int, x):

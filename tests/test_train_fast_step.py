@@ -1,8 +1,8 @@
 """The fast training step against the reference formulation (the step before it, kept in
 :mod:`peagle_jax.bench.train`): the element visibility equals the dense element mask, the chain attention equals
-dense attention, targets per position equal targets per element, and the loss, metrics and gradients are the
-reference's: fp32 to 1e-5, bf16 within the bounds stated below. Rows beyond ``ops.SMALL_ROWS`` so that the
-training product form (:func:`peagle_jax.ops.einsum_f32`) is the one exercised."""
+dense attention (EAGLE-3's per depth too), targets per position equal targets per element, and the loss,
+metrics and gradients are the reference's: fp32 to 1e-5, bf16 within the bounds stated below. Rows beyond
+``ops.SMALL_ROWS`` so that the training product form (:func:`peagle_jax.ops.einsum_f32`) is the one exercised."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from test_train_loop import LAYER as ONE_LAYER
 
 from peagle_jax import chain_attention, ops
-from peagle_jax.bench.train import reference_loss
+from peagle_jax.bench.train import reference_loss, reference_ttt_loss
 from peagle_jax.chain_attention import ChainVisibility
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.model import init_drafter_params
@@ -33,7 +33,7 @@ from peagle_jax.train.objective import (
     targets,
 )
 from peagle_jax.train.partition import segment_batch, segment_mask_capacity
-from peagle_jax.train.ttt import ttt_loss
+from peagle_jax.train.ttt import ttt_loss, ttt_visibility, ttt_visible
 
 V, H, Ht, U, K, B, T = 97, 32, 24, 40, 4, 2, 160
 Y = max_elements(T, K) + 5  # B * Y > ops.SMALL_ROWS, with padding elements
@@ -73,10 +73,9 @@ def _batch(seed) -> tuple[PEagleBatch, jax.Array]:
 
 
 def _dense(vis: ChainVisibility) -> np.ndarray:
-    """The [B, Y, Y] boolean mask a ChainVisibility stands for."""
-    prefix, chain, ok = (np.asarray(x) for x in vis)
-    b, y = prefix.shape[:2]
-    dense = np.zeros((b, y, y), bool)
+    """The [B, T, S] boolean mask a ChainVisibility stands for."""
+    prefix, chain, ok = (np.asarray(x) for x in vis.arrays)
+    dense = np.zeros(vis.shape, bool)
     dense[:, :, : prefix.shape[2]] = prefix
     rows, queries, slots = np.nonzero(ok)
     dense[rows, queries, chain[rows, queries, slots]] = True
@@ -96,6 +95,16 @@ def test_element_visibility_equals_element_mask(seed):
         part, _ = segment_batch(batch, jnp.int32(s), segments=3, capacity=segment_mask_capacity(T, Y, 3, K))
         args = (part.anchor_BY, part.depth_BY, part.valid_BY, part.document_ids_BT)
         np.testing.assert_array_equal(_dense(element_visibility(*args, num_depths=K)), np.asarray(element_mask(*args)))
+
+
+def test_ttt_visibility_equals_ttt_visible():
+    """EAGLE-3's chain visibility per depth is its dense [T, K*T] mask (two conversations, padding)."""
+    batch, _ = _batch(0)
+    for d in range(K):
+        vis = ttt_visibility(batch.document_ids_BT, d, K)
+        assert vis.shape == (B, T, K * T)
+        np.testing.assert_array_equal(_dense(vis), np.asarray(ttt_visible(batch.document_ids_BT, d, K)))
+        assert not np.any(np.asarray(vis.chain_BTE) < T)  # never a prefix slot twice
 
 
 @pytest.mark.parametrize("tiles", [1, 3, 7])
@@ -152,7 +161,9 @@ def test_targets_per_position_equal_targets_per_element():
 @functools.partial(jax.jit, static_argnames=("objective", "dtype"))
 def _loss_and_grad(trainable, frozen, batch, head, *, objective, dtype):
     ccfg = compute_config(CFG, TrainConfig(compute_dtype=dtype))
-    fn = {"fast": peagle_loss, "reference": reference_loss, "eagle3": ttt_loss}[objective]
+    fn = {"fast": peagle_loss, "reference": reference_loss, "eagle3": ttt_loss, "eagle3_dense": reference_ttt_loss}[
+        objective
+    ]
 
     def loss_fn(tr):
         p = jax.tree.map(lambda x: x.astype(ccfg.layer.jnp_dtype) if x.dtype == jnp.float32 else x, {**tr, **frozen})
@@ -165,12 +176,14 @@ def _flat(grads):
     return np.concatenate([np.asarray(g, np.float64).ravel() for g in jax.tree.leaves(grads)])
 
 
-def _assert_fast_equals_reference(fast: PEagleBatch, ref: PEagleBatch, head, seed: int) -> None:
+def _assert_fast_equals_reference(
+    fast: PEagleBatch, ref: PEagleBatch, head, seed: int, objectives=("fast", "reference")
+) -> None:
     """The fast objective on ``fast`` and the reference on ``ref`` (the same elements): the same loss and
     per-depth loss sums (fp32, 1e-5), accuracy counts and weights, and gradients within 1e-5 in norm."""
     trainable, frozen = partition(_params(seed), CFG)
-    (loss, m), g = _loss_and_grad(trainable, frozen, fast, head, objective="fast", dtype="float32")
-    (ref_loss, ref_m), ref_g = _loss_and_grad(trainable, frozen, ref, head, objective="reference", dtype="float32")
+    (loss, m), g = _loss_and_grad(trainable, frozen, fast, head, objective=objectives[0], dtype="float32")
+    (ref_loss, ref_m), ref_g = _loss_and_grad(trainable, frozen, ref, head, objective=objectives[1], dtype="float32")
     assert float(ref_loss) > 0.1
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(m["loss_sum_K"]), np.asarray(ref_m["loss_sum_K"]), rtol=1e-5)
@@ -186,6 +199,14 @@ def _assert_fast_equals_reference(fast: PEagleBatch, ref: PEagleBatch, head, see
 def test_fast_loss_metrics_and_gradients_equal_reference_fp32(seed):
     batch, head = _batch(seed)
     _assert_fast_equals_reference(batch, batch, head, seed)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_eagle3_chain_attention_equals_dense_masks_fp32(seed):
+    """EAGLE-3's TTT loss, metrics and gradients with each depth's chain attention equal those over its dense
+    [T, K*T] mask (fp32, 1e-5); gradients flow through the fed-back hidden states and the cache."""
+    batch, head = _batch(seed)
+    _assert_fast_equals_reference(batch, batch, head, seed, objectives=("eagle3", "eagle3_dense"))
 
 
 @pytest.mark.parametrize("buckets", [1, 4])

@@ -1,6 +1,7 @@
 """``python -m peagle_jax.bench.train``: drafter training throughput, before and after the fast training step,
-fp32 and bf16 compute, online and cached target features; the memory of one step per partition count; and
-(``--sweep``) the loss tokens/s of drafter shapes. Everything compared is measured side by side in one run.
+fp32 and bf16 compute, online and cached target features, for the P-EAGLE objective or (``--objective
+eagle3``) the EAGLE-3 baseline's; the memory of one step per partition count; and (``--sweep``) the loss
+tokens/s of drafter shapes and objectives. Everything compared is measured side by side in one run.
 
 Throughput: a SmolLM2-sized 2-layer P-EAGLE drafter (random weights: speed does not depend on values)
 trained on random token rows of ``--seq-len``, packed conversations whose answers (``--loss-fraction`` of the
@@ -9,8 +10,9 @@ features (as read from the feature cache), *online* runs the real SmolLM2 target
 pipeline loads it) over each batch first (:func:`peagle_jax.train.features.target_features`, the path
 ``batch.features: online`` takes). *after* is :data:`peagle_jax.train.loop.train_step`; *before* is
 :func:`reference_step`, the step as it was before the fast one (kept here, and used by the tests as the
-reference formulation): the drafter over a dense [Y, Y] element mask, the target's logits per element, and
-bf16 products written in the operands' dtype (XLA's CPU computes those in f32). Rounds interleave every
+reference formulation): the drafter over a dense [Y, Y] element mask (EAGLE-3: each depth over a dense
+[T, K*T] mask), the target's logits per element (EAGLE-3: at every position), and bf16 products written in
+the operands' dtype (XLA's CPU computes those in f32). Rounds interleave every
 variant; medians of the step times are reported as loss tokens per second (positions in the loss per second).
 
 Memory: XLA's compiled memory analysis (``temp`` buffers: activations, attention scores and gradients)
@@ -34,9 +36,9 @@ from peagle_jax.bench.draft import smollm2_sized_drafter
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.draft import drafter_forward
 from peagle_jax.drafter.model import init_drafter_params, new_drafter_cache
-from peagle_jax.train import loop
+from peagle_jax.train import loop, ttt
 from peagle_jax.train.cod import bucketed_elements, cod_batch, max_elements
-from peagle_jax.train.config import TrainConfig
+from peagle_jax.train.config import OBJECTIVES, TrainConfig
 from peagle_jax.train.features import target_features
 from peagle_jax.train.loop import STEP_STATICS, init_train_state, train_step, train_step_fn
 from peagle_jax.train.objective import (
@@ -96,15 +98,29 @@ def _linear_before(weight, x, in_axes: int = 1, preferred_element_type=None):
     return y_MO.reshape(*x.shape[: x.ndim - in_axes], *weight.shape[: weight.ndim - in_axes])
 
 
+def reference_ttt_loss(
+    params, batch: PEagleBatch, target_head_UD, embed_VD=None, *, cfg: DrafterConfig, num_depths: int
+):
+    """:func:`peagle_jax.train.ttt.ttt_loss` with each depth attending over the dense [T, K*T] mask
+    :func:`peagle_jax.train.ttt.ttt_visible` instead of its chain visibility (the same math)."""
+    with mock.patch.object(ttt, "ttt_visibility", ttt.ttt_visible):
+        return ttt.ttt_loss(params, batch, target_head_UD, embed_VD, cfg=cfg, num_depths=num_depths)
+
+
 def _reference_step_fn(state, batch, target_head_UD, embed_VD=None, *, cfg, tcfg, num_depths):
-    # Traced with the former objective and product form; the rest of the step (cast, AdamW) is the library's.
-    with mock.patch.object(loop, "peagle_loss", reference_loss), mock.patch.object(ops, "linear", _linear_before):
+    # Traced with the former objectives and product form; the rest of the step (cast, AdamW) is the library's.
+    with (
+        mock.patch.object(loop, "peagle_loss", reference_loss),
+        mock.patch.object(loop, "ttt_loss", reference_ttt_loss),
+        mock.patch.object(ops, "linear", _linear_before),
+    ):
         return train_step_fn(state, batch, target_head_UD, embed_VD, cfg=cfg, tcfg=tcfg, num_depths=num_depths)
 
 
 reference_step = jax.jit(_reference_step_fn, static_argnames=STEP_STATICS, donate_argnums=(0,))
-reference_step.__doc__ = """The training step before the fast one (:func:`reference_loss`, the former
-bf16 product form); same signature as :data:`peagle_jax.train.loop.train_step`. P-EAGLE objective only."""
+reference_step.__doc__ = """The training step before the fast one (:func:`reference_loss` or
+:func:`reference_ttt_loss`, the former bf16 product form); same signature as
+:data:`peagle_jax.train.loop.train_step`."""
 
 
 CONVERSATION = 256  # positions per packed conversation in the benchmark's rows
@@ -134,10 +150,11 @@ def _batch(seed: int, K, aux, hidden, tokens, loss_mask, *, fast: bool):
     return PEagleBatch(*(jnp.asarray(a) for a in fields))
 
 
-def _drafter(layers: int, vocab: int, *, shared_embedding: bool):
-    """(config, random params) of a SmolLM2-sized P-EAGLE drafter over a ``vocab``-id draft vocabulary; with
-    ``shared_embedding`` it reads the target's embedding instead of its own (as the shipped drafters do)."""
-    dcfg = smollm2_sized_drafter(layers=layers, draft_vocab=vocab)
+def _drafter(layers: int, vocab: int, *, shared_embedding: bool, objective: str = "peagle"):
+    """(config, random params) of a SmolLM2-sized drafter of ``objective``'s kind over a ``vocab``-id draft
+    vocabulary; with ``shared_embedding`` it reads the target's embedding instead of its own (as the shipped
+    drafters do)."""
+    dcfg = smollm2_sized_drafter(layers=layers, draft_vocab=vocab).replace(algorithm=objective)
     if shared_embedding:
         dcfg = dcfg.replace(target_hidden_size=576, own_embedding=False, embed_requires_grad=False)
     params = init_drafter_params(dcfg, jax.random.key(0))
@@ -155,7 +172,7 @@ def throughput(args) -> dict:
     from peagle_jax.models.gguf import default_model_dir
 
     tcfg_model, tparams = load_target_any(default_model_dir())
-    dcfg, params = _drafter(args.layers, args.draft_vocab, shared_embedding=True)
+    dcfg, params = _drafter(args.layers, args.draft_vocab, shared_embedding=True, objective=args.objective)
     B, T, K = args.batch_size, args.seq_len, args.num_depths
     head = tparams["embed_tokens"][: args.draft_vocab]
     embed = tparams["embed_tokens"]
@@ -170,7 +187,8 @@ def throughput(args) -> dict:
 
     cached_aux, cached_hidden = jax.block_until_ready(features())
     tcfgs = {
-        d: TrainConfig(lr=1e-4, warmup_steps=1, total_steps=10_000, compute_dtype=d) for d in ("float32", "bfloat16")
+        d: TrainConfig(lr=1e-4, warmup_steps=1, total_steps=10_000, compute_dtype=d, objective=args.objective)
+        for d in ("float32", "bfloat16")
     }
     states = {v: init_train_state(params, dcfg, tcfgs[v[1]]) for v in VARIANTS}
     times = {v: [] for v in VARIANTS}
@@ -203,6 +221,7 @@ def throughput(args) -> dict:
         "num_depths": K,
         "draft_vocab": args.draft_vocab,
         "layers": args.layers,
+        "objective": args.objective,
         "loss_fraction": loss_tokens / (B * T),
     }
     rows = []
@@ -224,11 +243,29 @@ def throughput(args) -> dict:
     return out
 
 
+def parse_sweep(text: str) -> list[tuple[int, int, int, str]]:
+    """``--sweep``: comma-separated ``LAYERS:DRAFT_VOCAB:K_TRAIN[:OBJECTIVE]`` (objective default peagle).
+    Raises ValueError naming the bad entry."""
+    shapes = []
+    for entry in text.split(","):
+        parts = entry.strip().split(":")
+        objective = parts.pop() if len(parts) == 4 else "peagle"
+        try:
+            layers, vocab, k = (int(x) for x in parts)
+        except ValueError:
+            raise ValueError(f"--sweep entry {entry!r} is not LAYERS:DRAFT_VOCAB:K_TRAIN[:OBJECTIVE]") from None
+        if objective not in OBJECTIVES or min(layers, vocab, k) < 1:
+            raise ValueError(f"--sweep entry {entry!r}: positive sizes and an objective of {', '.join(OBJECTIVES)}")
+        shapes.append((layers, vocab, k, objective))
+    return shapes
+
+
 def sweep(args) -> list[dict]:
-    """Cached-feature loss tokens/s of the fast step for each ``layers:draft_vocab:K_train`` shape in
+    """Cached-feature loss tokens/s of the fast step for each ``layers:draft_vocab:K_train[:objective]`` in
     ``--sweep`` (compute dtype ``--dtype``), side by side (rounds alternate the shapes): the cost side of
-    choosing the drafter's shape; multiply by the accuracy a shape reaches for accuracy per training second."""
-    shapes = [tuple(int(x) for x in s.split(":")) for s in args.sweep.split(",")]
+    choosing the drafter's shape, or the objective; multiply by the accuracy a shape reaches for accuracy per
+    training second."""
+    shapes = parse_sweep(args.sweep)
     B, T = args.batch_size, args.seq_len
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 49152, (B, T)).astype(np.int32)
@@ -236,18 +273,19 @@ def sweep(args) -> list[dict]:
     aux = jnp.asarray(rng.standard_normal((B, T, 3 * 576)), jnp.float32)
     hidden = jnp.asarray(rng.standard_normal((B, T, 576)), jnp.float32)
     embed = jnp.asarray(rng.standard_normal((49152, 576)) * 0.02, jnp.float32)
-    tcfg = TrainConfig(lr=1e-4, warmup_steps=1, total_steps=10_000, compute_dtype=args.dtype)
     runs = []
-    for layers, vocab, K in shapes:
-        dcfg, params = _drafter(layers, vocab, shared_embedding=True)
-        runs.append({"shape": (layers, vocab, K), "dcfg": dcfg, "state": init_train_state(params, dcfg, tcfg), "t": []})
+    for layers, vocab, K, objective in shapes:
+        dcfg, params = _drafter(layers, vocab, shared_embedding=True, objective=objective)
+        tcfg = TrainConfig(lr=1e-4, warmup_steps=1, total_steps=10_000, compute_dtype=args.dtype, objective=objective)
+        state = init_train_state(params, dcfg, tcfg)
+        runs.append({"shape": (layers, vocab, K, objective), "dcfg": dcfg, "tcfg": tcfg, "state": state, "t": []})
     for r in range(args.rounds + 1):  # round 0 compiles
         for run in runs:
             K = run["shape"][2]
             batch = _batch(r, K, aux, hidden, tokens, loss_mask, fast=True)
             t0 = time.perf_counter()
             run["state"], m = train_step(
-                run["state"], batch, embed[: run["shape"][1]], embed, cfg=run["dcfg"], tcfg=tcfg, num_depths=K
+                run["state"], batch, embed[: run["shape"][1]], embed, cfg=run["dcfg"], tcfg=run["tcfg"], num_depths=K
             )
             jax.block_until_ready(m["loss"])
             if r:
@@ -258,6 +296,7 @@ def sweep(args) -> list[dict]:
             "layers": run["shape"][0],
             "draft_vocab": run["shape"][1],
             "k_train": run["shape"][2],
+            "objective": run["shape"][3],
             "compute_dtype": args.dtype,
             "step_s": statistics.median(run["t"]),
             "loss_tokens_per_s": int(loss_mask.sum()) / statistics.median(run["t"]),
@@ -309,10 +348,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--rounds", type=int, default=3, help="timed rounds per variant; medians (default 3)")
     p.add_argument("--long-seq-len", type=int, default=2048, help="positions for the memory analysis (default 2048)")
-    p.add_argument("--no-memory", action="store_true", help="skip the memory analysis")
+    p.add_argument("--no-memory", action="store_true", help="skip the memory analysis (P-EAGLE only)")
+    p.add_argument(
+        "--objective",
+        default="peagle",
+        choices=OBJECTIVES,
+        help="the training objective of the throughput table (default peagle; eagle3: the TTT baseline, "
+        "K_train = --num-depths sequential depths)",
+    )
     p.add_argument(
         "--sweep",
-        help="instead: loss tokens/s of each comma-separated LAYERS:DRAFT_VOCAB:K_TRAIN drafter shape, side by side",
+        help="instead: loss tokens/s of each comma-separated LAYERS:DRAFT_VOCAB:K_TRAIN[:OBJECTIVE] drafter "
+        "shape (objective peagle or eagle3, default peagle), side by side",
     )
     p.add_argument(
         "--dtype",
@@ -330,15 +377,23 @@ def main(argv=None) -> int:
     if not 0 < args.loss_fraction <= 1:
         parser.error(f"--loss-fraction must be in (0, 1], got {args.loss_fraction}")
     if args.sweep:
+        try:
+            parse_sweep(args.sweep)
+        except ValueError as e:
+            parser.error(str(e))
         rows = sweep(args)
         print(
             f"## Loss tokens/s by drafter shape (B={args.batch_size}, T={args.seq_len}, cached features, "
             f"{args.dtype})\n"
         )
-        print("| layers | draft vocab | K_train | step | loss tokens/s | vs first |\n|---|---|---|---|---|---|")
+        print(
+            "| layers | draft vocab | K_train | objective | step | loss tokens/s | vs first |\n"
+            "|---|---|---|---|---|---|---|"
+        )
         for row in rows:
             print(
-                f"| {row['layers']} | {row['draft_vocab']} | {row['k_train']} | {row['step_s'] * 1e3:.0f} ms "
+                f"| {row['layers']} | {row['draft_vocab']} | {row['k_train']} | {row['objective']} "
+                f"| {row['step_s'] * 1e3:.0f} ms "
                 f"| {row['loss_tokens_per_s']:.0f} | {row['vs_first']:.2f}x |"
             )
         if args.json:
@@ -349,7 +404,7 @@ def main(argv=None) -> int:
     th = res["throughput"]
     print(
         f"## Training throughput (B={args.batch_size}, T={args.seq_len}, K_train={args.num_depths}, "
-        f"U={args.draft_vocab}, {args.layers}-layer SmolLM2-sized drafter)\n"
+        f"U={args.draft_vocab}, {args.layers}-layer SmolLM2-sized drafter, {args.objective} objective)\n"
     )
     print("| step | compute | features | step time | loss tokens/s | vs before |\n|---|---|---|---|---|---|")
     for row in th["rows"]:
@@ -357,7 +412,7 @@ def main(argv=None) -> int:
             f"| {row['path']} | {row['compute_dtype']} | {row['features']} | {row['step_s'] * 1e3:.0f} ms "
             f"| {row['loss_tokens_per_s']:.0f} | {row['vs_before']:.2f}x |"
         )
-    if not args.no_memory:
+    if not args.no_memory and args.objective == "peagle":
         res["memory"] = mem = memory(args)
         print(f"\n## Memory of one step at T={mem['seq_len']} ({mem['elements']} elements)\n")
         print("| segments | temp memory | vs unpartitioned |\n|---|---|---|")

@@ -10,7 +10,8 @@ its position. TTT trains exactly that in K passes, one per depth, each over ever
 
 Attention is what sequential drafting from anchor a sees (the P-EAGLE mask with every depth kept): the
 depth-0 elements of the same conversation at anchors <= a, and the chain's own elements of depths 1..d.
-Depth d's keys sit in cache slots ``[dT, (d+1)T)``, so pass d attends over ``(d+1)T`` slots. Element (a, d)
+Depth d's keys sit in cache slots ``[dT, (d+1)T)``: pass d attends over the depth-0 block and, per
+anchor, one slot in each of the blocks 1..d (:func:`ttt_visibility`, a chain attention). Element (a, d)
 is supervised like P-EAGLE's element at position a + d (``target_hidden`` / ``loss_mask`` there) and exists
 when a + d is inside a's conversation. Gradients flow through the fed-back hidden states. The loss is the
 same count-normalised KL, and the metrics the same per-depth sums, so both objectives share the loop.
@@ -21,13 +22,15 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from peagle_jax import ops
+from peagle_jax.chain_attention import ChainVisibility
 from peagle_jax.drafter.config import DrafterConfig
 from peagle_jax.drafter.model import Drafter, new_drafter_cache
 from peagle_jax.train.objective import PEagleBatch, _take, depth_metrics, kl_to_targets, loss_targets, target_index
 
 
 def ttt_visible(document_ids_BT, depth: int, num_depths: int):
-    """[B, T, K*T] visibility of depth ``depth``'s queries over the K depth blocks of cache slots."""
+    """[B, T, K*T] visibility of depth ``depth``'s queries over the K depth blocks of cache slots (the dense
+    mask :func:`ttt_visibility` stands for; the reference the tests hold it to)."""
     B, T = document_ids_BT.shape
     a_T = jnp.arange(T, dtype=jnp.int32)
     doc = document_ids_BT
@@ -39,6 +42,22 @@ def ttt_visible(document_ids_BT, depth: int, num_depths: int):
     for s in range(1, num_depths):
         blocks.append(jnp.broadcast_to(own_TT[None] & (s <= depth), (B, T, T)))
     return jnp.concatenate(blocks, axis=2)
+
+
+def ttt_visibility(document_ids_BT, depth: int, num_depths: int) -> ChainVisibility:
+    """:func:`ttt_visible` as a :class:`peagle_jax.chain_attention.ChainVisibility` (equal to it, tested): the
+    depth-0 block (the conversation up to the anchor, and the anchor's own slot) as the prefix, and the
+    anchor's slot in each of the blocks 1..d as its chain. Each depth's attention costs ``T * (T + d)``
+    scores instead of ``T * K * T``."""
+    B, T = document_ids_BT.shape
+    a_T = jnp.arange(T, dtype=jnp.int32)
+    doc = document_ids_BT
+    prefix_BTT = (
+        (doc[:, :, None] == doc[:, None, :]) & (doc[:, :, None] >= 0) & (a_T[None, None, :] <= a_T[None, :, None])
+    ) | (a_T[:, None] == a_T[None, :])[None]
+    chain_TE = a_T[:, None] + T * jnp.arange(1, depth + 1, dtype=jnp.int32)[None, :]
+    chain_BTE = jnp.broadcast_to(chain_TE[None], (B, T, depth))
+    return ChainVisibility(prefix_BTT, chain_BTE, jnp.ones((B, T, depth), bool), slots=num_depths * T)
 
 
 def ttt_forward(params, batch: PEagleBatch, embed_VD=None, *, cfg: DrafterConfig, num_depths: int):
@@ -69,7 +88,7 @@ def ttt_forward(params, batch: PEagleBatch, embed_VD=None, *, cfg: DrafterConfig
             g_BTD,
             a_BT + d,
             jnp.full((B,), d * T, jnp.int32),
-            ttt_visible(doc, d, K),
+            ttt_visibility(doc, d, K),
             cache,
             embed_VD,
             at_BM,

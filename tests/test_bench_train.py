@@ -1,0 +1,33 @@
+"""``python -m peagle_jax.bench.train --sweep`` end to end at a small shape: P-EAGLE's and EAGLE-3's steps side by
+side; bad sweep entries are refused with a message."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from peagle_jax.bench import train as bench_train
+
+
+def test_sweep_times_both_objectives_side_by_side(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    argv = ["--sweep", "1:64:3,1:64:2:eagle3", "--batch-size", "1", "--seq-len", "256", "--rounds", "1"]
+    assert bench_train.main([*argv, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["layers"], r["draft_vocab"], r["k_train"], r["objective"]) for r in rows] == [
+        (1, 64, 3, "peagle"),
+        (1, 64, 2, "eagle3"),
+    ]
+    assert rows[0]["vs_first"] == 1.0
+    for r in rows:
+        assert r["step_s"] > 0 and r["loss_tokens_per_s"] == pytest.approx(round(0.55 * 256) / r["step_s"])
+    assert "| 1 | 64 | 2 | eagle3 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("entry", ["2:8192", "2:8192:4:medusa", "0:8192:4", "two:8192:4"])
+def test_bad_sweep_entries_are_refused(capsys, entry):
+    with pytest.raises(SystemExit) as exit_:
+        bench_train.main(["--sweep", entry])
+    assert exit_.value.code == 2
+    assert f"--sweep entry {entry!r}" in capsys.readouterr().err
