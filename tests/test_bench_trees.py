@@ -9,6 +9,7 @@ from test_speculative import CFG, DCFG, PROMPTS, models  # noqa: F401  (a fixtur
 
 from peagle_jax.bench import trees as T
 from peagle_jax.engine.generator import Generator
+from peagle_jax.errors import UserError
 from peagle_jax.spec.generator import SpeculativeGenerator
 from peagle_jax.spec.state import SpecStats
 from peagle_jax.spec.tree import parse_tree
@@ -63,6 +64,43 @@ def test_simulated_acceptance_equals_speculative_decoding(models, tree):  # noqa
     want = [a / gen.spec.target_forwards for a in gen.spec.accepted_per_position]
     assert sim["accepted_per_position"] == pytest.approx(want, abs=1e-12)
     assert min(gen.spec.accepted_per_position[:2]) > 0  # accepted at two depths: the comparison says something
+
+
+@pytest.mark.parametrize("tree", ["0,00,000", "0,1,2,00,01,000"])
+def test_simulated_acceptance_equals_sequential_eagle3_decoding(models, tree):  # noqa: F811
+    """An EAGLE-3 drafter: ranks from its training-time-test passes along plain decoding's answers give what
+    greedy sequential drafting with the tree accepts (forwards, tokens and accepted drafts per depth)."""
+    params, dparams = models
+    eagle3 = DCFG.replace(algorithm="eagle3")
+    t, M, W = parse_tree(tree), 20, 5
+    K = t.depth
+    answers = Generator(CFG, params, max_seq_len=64).generate(PROMPTS, max_new_tokens=M + K, stop_token_ids=[])
+    gen = SpeculativeGenerator(CFG, params, eagle3, dparams, tree=t, sequential=True, max_seq_len=64, adaptive=False)
+    gen.spec = SpecStats(accepted_per_position=[0] * K)
+    gen.generate(PROMPTS, max_new_tokens=M, stop_token_ids=[])
+    ranks = [
+        T.candidate_ranks(CFG, params, eagle3, dparams, p, a.token_ids, K=K, width=W)
+        for p, a in zip(PROMPTS, answers, strict=True)
+    ]
+    parallel = [
+        T.candidate_ranks(CFG, params, DCFG, dparams, p, a.token_ids, K=K, width=W)
+        for p, a in zip(PROMPTS, answers, strict=True)
+    ]
+    assert any(not np.array_equal(r[:, 1:], q[:, 1:]) for r, q in zip(ranks, parallel, strict=True))  # other drafts
+    items = [(r, a.token_ids) for r, a in zip(ranks, answers, strict=True)]
+    sim = T.tokens_per_step(items, T.paths_of(tree), W, max_new_tokens=M)
+    assert sim["target_forwards"] == gen.spec.target_forwards
+    assert sim["acceptance_length"] == pytest.approx(gen.spec.acceptance_length, abs=1e-12)
+    want = [a / gen.spec.target_forwards for a in gen.spec.accepted_per_position]
+    assert sim["accepted_per_position"] == pytest.approx(want, abs=1e-12)
+    assert min(gen.spec.accepted_per_position[:2]) > 0
+
+
+def test_sequential_trees_hang_off_the_top_candidates():
+    T.check_sequential_tree(T.paths_of("0,1,2,3,4,00,01"))
+    T.check_sequential_tree(T.paths_of("0,00,000,0000,00000,000000,0000000"))
+    with pytest.raises(UserError, match="tree node 10 hangs off"):
+        T.check_sequential_tree(T.paths_of("0,1,10"))
 
 
 def test_a_stop_token_ends_the_simulated_row():

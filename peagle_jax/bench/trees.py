@@ -121,7 +121,14 @@ def run_accepted(acc, answer, *, K: int, max_new_tokens, stops=()) -> tuple[int,
 def candidate_ranks(cfg, params, dcfg, dparams, prompt, answer, *, K: int, width: int, probs: bool = False):
     """``[len(answer) - K, K]``: at root i (``answer[i]``, after ``prompt + answer[:i]``), the rank of
     ``answer[i + d]`` among the drafter's top-``width`` candidates at depth d (``width`` if not among them).
-    With ``probs``, also ``[len(answer) - K, K, width]``: those candidates' drafter probabilities."""
+    With ``probs``, also ``[len(answer) - K, K, width]``: those candidates' drafter probabilities.
+
+    A P-EAGLE drafter's depths come from one pass (its COD elements over the answer); an EAGLE-3 drafter's
+    from its training-time-test passes (:func:`peagle_jax.train.ttt.ttt_forward`): depth d fed the answer's
+    tokens and the drafter's own hidden state of depth d - 1. Sequential drafting feeds the drafted top
+    candidate instead, which is the answer's token wherever the draft is right up to depth d - 1, so these
+    ranks decide acceptance exactly for trees whose every node below the root hangs off the top candidates
+    (:func:`check_sequential_tree`)."""
     import jax
     import jax.numpy as jnp
 
@@ -145,9 +152,10 @@ def candidate_ranks(cfg, params, dcfg, dparams, prompt, answer, *, K: int, width
     aux, _ = target_features(
         params, jnp.asarray(inputs), jnp.asarray(positions), jnp.asarray(document), cfg=cfg, dtype="float32"
     )
-    # Elements: every slot at depth 0 (the committed context), then depths 1..K-1 of each root's anchor
-    # (root i = x[n_prompt + i] is the input token of slot n_prompt + i - 1).
+    # Root i = x[n_prompt + i] is the input token of slot n_prompt + i - 1: its anchor.
     anchors = np.arange(n_prompt - 1, n_prompt - 1 + roots)
+    # P-EAGLE's elements: every slot at depth 0 (the committed context), then depths 1..K-1 of each anchor.
+    # (EAGLE-3's passes read only the per-position fields.)
     anchor = np.concatenate([np.arange(Tp)] + [anchors] * (K - 1))
     depth = np.concatenate([np.zeros(Tp, np.int32)] + [np.full(roots, d) for d in range(1, K)])
     Y = len(anchor)
@@ -166,22 +174,36 @@ def candidate_ranks(cfg, params, dcfg, dparams, prompt, answer, *, K: int, width
         jnp.asarray(valid[None]),
     )
     embed = None if dcfg.own_embedding else params["embed_tokens"]
-    logits, _ = _element_logits()(dparams, batch, embed, cfg=dcfg, num_depths=K)
-    top_l, top_i = jax.lax.top_k(logits[0], width)  # ranked as the draft ranks them
-    top = np.asarray(to_target_ids(dparams, top_i, dcfg))  # [Yp, width]
-    if probs:  # the candidates' probabilities [Yp, width]
-        lse = jax.nn.logsumexp(logits[0].astype(jnp.float32), axis=-1)[:, None]
-        top_p = np.asarray(jnp.exp(top_l.astype(jnp.float32) - lse))
-    out = np.full((roots, K), width, np.int64)
-    cand_probs = np.zeros((roots, K, width), np.float32)
-    for d in range(K):
-        rows = np.arange(roots) + (anchors[0] if d == 0 else Tp + (d - 1) * roots)
-        label = np.asarray(answer[d + 1 : d + 1 + roots])  # root i's depth-(d+1) draft is answer[i + d + 1]
-        hit = top[rows] == label[:, None]
-        out[:, d] = np.where(hit.any(axis=1), hit.argmax(axis=1), width)
-        if probs:
-            cand_probs[:, d] = top_p[rows]
-    return (out, cand_probs) if probs else out
+    if dcfg.parallel:
+        logits, _ = _element_logits()(dparams, batch, embed, cfg=dcfg, num_depths=K)
+        per_depth = [
+            logits[0, anchors] if d == 0 else logits[0, Tp + (d - 1) * roots : Tp + d * roots] for d in range(K)
+        ]
+    else:
+        per_depth = [logits[0, anchors] for logits in _ttt_logits()(dparams, batch, embed, cfg=dcfg, num_depths=K)]
+    logits_RKU = jnp.stack(per_depth, axis=1)
+    top_l, top_i = jax.lax.top_k(logits_RKU, width)  # ranked as the draft ranks them
+    top = np.asarray(to_target_ids(dparams, top_i, dcfg))  # [roots, K, width]
+    labels = np.stack([np.asarray(answer[d + 1 : d + 1 + roots]) for d in range(K)], axis=1)
+    hit = top == labels[:, :, None]  # root i's depth-(d+1) draft is answer[i + d + 1]
+    out = np.where(hit.any(axis=2), hit.argmax(axis=2), width).astype(np.int64)
+    if not probs:
+        return out
+    lse = jax.nn.logsumexp(logits_RKU.astype(jnp.float32), axis=-1)[..., None]
+    return out, np.asarray(jnp.exp(top_l.astype(jnp.float32) - lse))
+
+
+def check_sequential_tree(paths) -> None:
+    """Refuse a tree that sequential (EAGLE-3) drafting cannot rank from :func:`candidate_ranks`: one with
+    a node under a candidate other than the top one (sequential drafting drafts only the top one's
+    children)."""
+    for path in paths:
+        if any(path[:-1]):
+            node = "".join(map(str, path))
+            raise UserError(
+                f"tree node {node} hangs off a candidate other than the top one: sequential (EAGLE-3) drafting "
+                "drafts only below the top candidates (use nodes such as 0, 1, 00, 01, 000)"
+            )
 
 
 @functools.cache
@@ -192,6 +214,19 @@ def _element_logits():
     from peagle_jax.train.objective import element_logits
 
     return jax.jit(element_logits, static_argnames=("cfg", "num_depths"))
+
+
+@functools.cache
+def _ttt_logits():
+    """Per depth, the logits [B, T, U] of :func:`peagle_jax.train.ttt.ttt_forward`, jitted once per process."""
+    import jax
+
+    from peagle_jax.train.ttt import ttt_forward
+
+    def logits(params, batch, embed_VD, *, cfg, num_depths):
+        return [out[0] for out in ttt_forward(params, batch, embed_VD, cfg=cfg, num_depths=num_depths)]
+
+    return jax.jit(logits, static_argnames=("cfg", "num_depths"))
 
 
 def tokens_per_step(items, paths, width, **kw) -> dict:

@@ -7,8 +7,10 @@ measures, on the held-out half of the MT-Bench questions (the odd ones; never tr
 length of greedy speculative decoding with each ``--trees`` tree (default: the served tree ``0,1,2,3,4,00,01``
 and a chain of 7) and the accepted drafts per position, without decoding: the target answers each question
 greedily once, and one drafter pass per answer ranks the answer's tokens among the drafts at every root
-(:func:`peagle_jax.bench.trees.candidate_ranks`, tested equal to decoding). P-EAGLE drafters only; an EAGLE-3
-run's curve is its held-out accuracy per depth (``eval.jsonl``).
+(:func:`peagle_jax.bench.trees.candidate_ranks`, tested equal to decoding). An EAGLE-3 run's drafters are
+ranked from their training-time-test passes along the answer, which decide the acceptance of sequential
+drafting exactly for trees whose nodes all hang off the top candidates (both default trees; others are
+refused for them).
 
 Writes ``--json`` (default ``RUN_DIR/curve.json``) and a plot (``--plot``, default ``RUN_DIR/curve.png``)
 of acceptance length against training tokens.
@@ -82,13 +84,14 @@ def held_out_answers(model_dir, questions_file, limit, max_new_tokens: int, K: i
 
 def acceptance(target, drafter_dir: Path, trees, *, max_new_tokens: int) -> dict:
     """Per tree: acceptance length and accepted drafts per position over the held-out answers."""
-    from peagle_jax.bench.trees import candidate_ranks, paths_of, tokens_per_step
+    from peagle_jax.bench.trees import candidate_ranks, check_sequential_tree, paths_of, tokens_per_step
     from peagle_jax.drafter.load import load_drafter
 
     cfg, params, prompts, answers, stops = target
     dcfg, dparams = load_drafter(drafter_dir)
-    if dcfg.algorithm != "peagle":
-        raise UserError(f"{drafter_dir}: an {dcfg.algorithm} drafter; the curve ranks P-EAGLE's parallel drafts")
+    if not dcfg.parallel:
+        for t in trees:
+            check_sequential_tree(paths_of(t))
     if tuple(dcfg.aux_layer_ids or cfg.aux_layer_ids) != tuple(cfg.aux_layer_ids):
         cfg = cfg.replace(aux_layer_ids=tuple(dcfg.aux_layer_ids))
     K = max(max(map(len, paths_of(t))) for t in trees)
