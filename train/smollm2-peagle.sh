@@ -2,24 +2,31 @@
 # The whole train/configs/smollm2-peagle.yaml study, every stage resumable (run it again after a stop):
 # regenerate the answers and build the feature cache, compare three drafter shapes for the same training
 # seconds, train the P-EAGLE drafter, then the EAGLE-3 baseline on the same data; a held-out MT-Bench
-# learning curve for each.   usage: train/smollm2-peagle.sh [RUNS_DIR]   (default runs/)
+# learning curve for each.
+# usage: train/smollm2-peagle.sh [RUNS_DIR [KEY=VALUE ...]]   (default runs/)
+# KEY=VALUE overrides go to every train.py call after the stage's own, and $CURVE_ARGS to every learning
+# curve: a scaled-down trial of every stage, e.g.
+#   CURVE_ARGS="--questions 4 --max-new-tokens 16" train/smollm2-peagle.sh /tmp/trial data.max_prompts=8 \
+#     data.shard_size=4 data.max_new_tokens=16 data.regen_slots=4 optim.warmup_steps=1 optim.total_steps=4 run.export_steps=2
 set -euo pipefail
 runs=${1:-runs}
+shift $(($# > 0 ? 1 : 0))
 recipe=train/configs/smollm2-peagle.yaml
 main=$runs/smollm2-peagle
-python train/train.py --config $recipe --output "$main" --until features
+read -r -a curve_args <<<"${CURVE_ARGS:-}"
+python train/train.py --config $recipe --output "$main" --until features "$@"
 # name, steps (in the ratio of the step times in docs/bench/train/sweep.json), overrides
 while read -r name steps overrides; do
   python train/train.py --config $recipe --output "$runs/shapes/$name" data.from_run="$main" \
-    optim.total_steps="$steps" run.export_steps=$((steps / 2)) $overrides
-  python -m peagle_jax.train.curve "$runs/shapes/$name"
+    optim.total_steps="$steps" run.export_steps=$((steps / 2)) $overrides "$@"
+  python -m peagle_jax.train.curve "$runs/shapes/$name" "${curve_args[@]}"
 done <<'SHAPES'
 layers2-vocab8192 1800
 layers1-vocab8192 2565 drafter.num_layers=1
 layers2-vocab4096 2240 drafter.draft_vocab_size=4096
 SHAPES
-python train/train.py --config $recipe --output "$main"
-python -m peagle_jax.train.curve "$main"
+python train/train.py --config $recipe --output "$main" "$@"
+python -m peagle_jax.train.curve "$main" "${curve_args[@]}"
 python train/train.py --config $recipe --output "$runs/smollm2-eagle3-baseline" \
-  optim.objective=eagle3 batch.num_depths=4 data.from_run="$main"
-python -m peagle_jax.train.curve "$runs/smollm2-eagle3-baseline"
+  optim.objective=eagle3 batch.num_depths=4 data.from_run="$main" "$@"
+python -m peagle_jax.train.curve "$runs/smollm2-eagle3-baseline" "${curve_args[@]}"

@@ -260,12 +260,11 @@ def parse_sweep(text: str) -> list[tuple[int, int, int, str]]:
     return shapes
 
 
-def sweep(args) -> list[dict]:
-    """Cached-feature loss tokens/s of the fast step for each ``layers:draft_vocab:K_train[:objective]`` in
-    ``--sweep`` (compute dtype ``--dtype``), side by side (rounds alternate the shapes): the cost side of
-    choosing the drafter's shape, or the objective; multiply by the accuracy a shape reaches for accuracy per
-    training second."""
-    shapes = parse_sweep(args.sweep)
+def sweep(args, shapes: list[tuple[int, int, int, str]]) -> list[dict]:
+    """Cached-feature loss tokens/s of the fast step for each ``(layers, draft_vocab, K_train, objective)`` of
+    ``shapes`` (:func:`parse_sweep` of ``--sweep``; compute dtype ``--dtype``), side by side (rounds alternate
+    the shapes): the cost side of choosing the drafter's shape, or the objective; multiply by the accuracy a
+    shape reaches for accuracy per training second."""
     B, T = args.batch_size, args.seq_len
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 49152, (B, T)).astype(np.int32)
@@ -378,10 +377,10 @@ def main(argv=None) -> int:
         parser.error(f"--loss-fraction must be in (0, 1], got {args.loss_fraction}")
     if args.sweep:
         try:
-            parse_sweep(args.sweep)
+            shapes = parse_sweep(args.sweep)
         except ValueError as e:
             parser.error(str(e))
-        rows = sweep(args)
+        rows = sweep(args, shapes)
         print(
             f"## Loss tokens/s by drafter shape (B={args.batch_size}, T={args.seq_len}, cached features, "
             f"{args.dtype})\n"
