@@ -294,3 +294,24 @@ def test_features_from_a_bf16_target_and_the_target_saved_in_fp32(tmp_path, caps
     assert cfg.dtype == "float32" and params["embed_tokens"].dtype == np.float32
     aux, _ = FeatureCache(out / "features").rows([0])
     assert np.isfinite(aux.astype(np.float32)).all() and np.abs(aux.astype(np.float32)).max() > 0
+
+
+def test_regeneration_buckets_answer_as_the_batch_generator(tmp_path):
+    """The slot engine with the regeneration's finer buckets (prefill every 32 tokens, windows every 64
+    slots) answers as the batch generator with a server's buckets (fp32), over prompts and answers long
+    enough to cross several windows."""
+    from peagle_jax.train.slot_regen import regen_buckets
+
+    assert regen_buckets(200) == ((32, 64, 96, 128, 160, 192, 200), (64, 128, 192))
+    params = model.init_params(CFG, jax.random.key(5))
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(5, 100, int(n)).tolist() for n in rng.integers(2, 130, 9)]
+    kw = dict(max_prompt_tokens=140, max_new_tokens=60, shard_size=5, temperature=0.0, progress=False)
+    gen = SlotGenerator(CFG, params, slots=3, max_seq_len=200)
+    assert gen.engine.gen.window_buckets == (64, 128, 192, 200) and gen.engine.gen.num_slots == 200
+    fine = read_shards(regenerate(gen, prompts, tmp_path / "s", **kw))
+    batch = read_shards(regenerate(Generator(CFG, params, max_seq_len=200), prompts, tmp_path / "b", batch=4, **kw))
+    assert [(r["index"], r["response_ids"]) for r in fine] == [(r["index"], r["response_ids"]) for r in batch]
+    assert max(len(p) + len(r["response_ids"]) for p, r in zip(prompts, fine, strict=True)) > 128
+    with pytest.raises(ValueError, match="buckets must be"):
+        SlotGenerator(CFG, params, slots=3, max_seq_len=200, buckets="fine")

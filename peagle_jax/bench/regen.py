@@ -7,7 +7,10 @@ temporary directory:
 - *batch*: the batch :class:`~peagle_jax.engine.generator.Generator` in fixed batches of ``--batch`` prompts
   sorted by length (``data.regen_batch``), in ``--batch-dtype`` (float32 by default);
 - *slots*: :class:`~peagle_jax.train.slot_regen.SlotGenerator`, continuous batching over ``--slots`` rows
-  (``data.regen_slots``), in ``--slots-dtype`` (bfloat16 by default); one setting per comma-separated value.
+  (``data.regen_slots``), in ``--slots-dtype`` (bfloat16 by default), with the regeneration's shape buckets
+  or (``--slot-buckets regen,serving``) also a server's; one setting per comma-separated value of each.
+
+``--batch 0`` leaves the batch path out (the ratios are then to the first slots setting).
 
 Each path regenerates the prompts twice and the second pass is timed (the first compiles its graphs).
 Prints generated tokens per second per path and each over the first; ``--json FILE`` writes them.
@@ -80,16 +83,20 @@ def run(args) -> dict:
         return cfg32.replace(dtype=dtype), cast_floats(params32, dtype)
 
     rows = []
-    cfg, params = target(args.batch_dtype)
-    gen = Generator(cfg, params, max_seq_len=seq)
-    rows.append({"path": f"batch {args.batch} {args.batch_dtype}", **_timed(gen, prompts, args, stops, args.batch)})
-    print(f"| {rows[-1]['path']} | {rows[-1]['tokens_per_s']:.0f} tokens/s |", flush=True)
+    if args.batch:
+        cfg, params = target(args.batch_dtype)
+        gen = Generator(cfg, params, max_seq_len=seq)
+        path = f"batch {args.batch} {args.batch_dtype}"
+        rows.append({"path": path, **_timed(gen, prompts, args, stops, args.batch)})
+        print(f"| {rows[-1]['path']} | {rows[-1]['tokens_per_s']:.0f} tokens/s |", flush=True)
     cfg, params = target(args.slots_dtype)
     for slots in (int(s) for s in args.slots.split(",")):
-        gen = SlotGenerator(cfg, params, slots=slots, max_seq_len=seq)
-        row = {"path": f"slots {slots} {args.slots_dtype}", **_timed(gen, prompts, args, stops, len(prompts))}
-        rows.append(row)
-        print(f"| {row['path']} | {row['tokens_per_s']:.0f} tokens/s |", flush=True)
+        for buckets in args.slot_buckets.split(","):
+            gen = SlotGenerator(cfg, params, slots=slots, max_seq_len=seq, buckets=buckets)
+            path = f"slots {slots} {args.slots_dtype} {buckets} buckets"
+            row = {"path": path, **_timed(gen, prompts, args, stops, len(prompts))}
+            rows.append(row)
+            print(f"| {row['path']} | {row['tokens_per_s']:.0f} tokens/s |", flush=True)
     base = rows[0]["tokens_per_s"]
     for row in rows:
         row["vs_first"] = row["tokens_per_s"] / base
@@ -108,22 +115,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts are skipped (default 384)")
     p.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap (default 192)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--batch", type=int, default=16, help="the batch path's prompts per batch (default 16)")
+    p.add_argument("--batch", type=int, default=16, help="the batch path's batch size (default 16; 0: none)")
     p.add_argument("--batch-dtype", default="float32", choices=("float32", "bfloat16"), help="(default float32)")
     p.add_argument("--slots", default="32,64", help="comma-separated slot counts of the slots path (default 32,64)")
     p.add_argument("--slots-dtype", default="bfloat16", choices=("float32", "bfloat16"), help="(default bfloat16)")
+    p.add_argument(
+        "--slot-buckets",
+        default="regen",
+        help="comma-separated shape buckets of the slots path: regen (finer, the default) and/or serving",
+    )
     p.add_argument("--json", help="also write the results to this JSON file")
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.prompts < 1 or args.batch < 1 or args.max_new_tokens < 1:
-        raise SystemExit("error: --prompts, --batch and --max-new-tokens must be >= 1")
+    if args.prompts < 1 or args.batch < 0 or args.max_new_tokens < 1:
+        raise SystemExit("error: --prompts and --max-new-tokens must be >= 1, --batch >= 0")
     try:
         [int(s) for s in args.slots.split(",")]
     except ValueError:
         raise SystemExit(f"error: --slots {args.slots!r}: expected comma-separated integers") from None
+    if not set(args.slot_buckets.split(",")) <= {"regen", "serving"}:
+        raise SystemExit(f"error: --slot-buckets {args.slot_buckets!r}: expected regen and/or serving")
     print(f"## Regeneration throughput ({args.prompts} ShareGPT prompts, up to {args.max_new_tokens} tokens)\n")
     print("| path | generated |\n|---|---|")
     res = run(args)

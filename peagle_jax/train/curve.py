@@ -12,13 +12,17 @@ ranked from their training-time-test passes along the answer, which decide the a
 drafting exactly for trees whose nodes all hang off the top candidates (both default trees; others are
 refused for them).
 
-Writes ``--json`` (default ``RUN_DIR/curve.json``) and a plot (``--plot``, default ``RUN_DIR/curve.png``)
-of acceptance length against training tokens.
+Writes each run's curve to ``RUN_DIR/curve.json`` and a plot of acceptance length against training tokens
+to ``RUN_DIR/curve.png`` (with one run, ``--json`` and ``--plot`` move them). Several runs are compared on one
+plot: ``--json`` and ``--plot`` then name the combined curve, e.g. P-EAGLE against EAGLE-3 trained on the same
+data. The target answers the held-out questions once for all runs, and a run whose ``curve.json`` already
+measured the same drafters (by content) with the same settings is read rather than measured again.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -56,6 +60,18 @@ def exports(run: Path) -> list[tuple[int, Path]]:
         if step not in {s for s, _ in found}:
             found.append((step, run / "drafter"))
     return sorted(found)
+
+
+def drafter_digest(path: Path) -> str:
+    """sha256 over a drafter directory's config and weights: a re-exported drafter is measured again."""
+    h = hashlib.sha256()
+    for f in sorted(path.iterdir()):
+        if f.is_file() and f.suffix in (".json", ".safetensors"):
+            h.update(f.name.encode() + b"\0")
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+    return h.hexdigest()
 
 
 def held_out_answers(model_dir, questions_file, limit, max_new_tokens: int, K: int):
@@ -103,41 +119,111 @@ def acceptance(target, drafter_dir: Path, trees, *, max_new_tokens: int) -> dict
     return {t: tokens_per_step(items, paths_of(t), WIDTH, **kw) for t in trees}
 
 
-def curve(run: Path, *, model: str, questions_file=None, questions=None, max_new_tokens=128, trees=DEFAULT_TREES):
-    """The curve's points: per export, its step, training tokens and acceptance per tree."""
+def settings_of(*, model: str, questions_file=None, questions=None, max_new_tokens=128, trees=DEFAULT_TREES) -> dict:
+    """What a curve's numbers depend on besides the drafters (recorded in its JSON; a reread must match)."""
+    return {
+        "model": str(model),
+        "questions_file": None if questions_file is None else str(questions_file),
+        "questions_limit": questions,
+        "max_new_tokens": max_new_tokens,
+        "trees": list(trees),
+    }
+
+
+def curve(run: Path, *, model: str, questions_file=None, questions=None, max_new_tokens=128, trees=DEFAULT_TREES,
+          target=None):  # fmt: skip
+    """The curve's points: per export, its step, training tokens and acceptance per tree. ``target``: the
+    :func:`held_out_answers` to use (several runs share one); computed when None."""
     from peagle_jax.bench.trees import paths_of
 
     points = exports(run)
     if not points:
         raise UserError(f"{run}: no exported drafters (drafters/step-N or drafter/ with summary.json)")
     K = max(max(map(len, paths_of(t))) for t in trees)
-    target = held_out_answers(model, questions_file, questions, max_new_tokens, K)
+    if target is None:
+        target = held_out_answers(model, questions_file, questions, max_new_tokens, K)
     tokens = cumulative_tokens(run)
     out = []
     for step, path in points:
         print(f"step {step}: {path}", file=sys.stderr, flush=True)
         res = acceptance(target, path, trees, max_new_tokens=max_new_tokens)
-        out.append({"step": step, "tokens": tokens.get(step), "drafter": str(path), "trees": res})
-    return {"questions": len(target[2]), "max_new_tokens": max_new_tokens, "points": out}
+        point = {"step": step, "tokens": tokens.get(step), "drafter": str(path), "drafter_sha256": drafter_digest(path)}
+        out.append({**point, "trees": res})
+    settings = settings_of(model=model, questions_file=questions_file, questions=questions,
+                           max_new_tokens=max_new_tokens, trees=trees)  # fmt: skip
+    return {"questions": len(target[2]), "max_new_tokens": max_new_tokens, "settings": settings, "points": out}
+
+
+def measured(path: Path, run: Path, settings: dict) -> dict | None:
+    """The curve in ``path`` if it measured ``run``'s present exports (same steps, same drafter contents) with
+    ``settings``; else None."""
+    if not path.is_file():
+        return None
+    try:
+        res = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+    if res.get("settings") != settings:
+        return None
+    have = [(p.get("step"), p.get("drafter_sha256")) for p in res.get("points", [])]
+    want = [(step, drafter_digest(d)) for step, d in exports(run)]
+    return res if have == want else None
+
+
+def curves(runs: list[Path], *, json_paths: list[Path], model: str, questions_file=None, questions=None,
+           max_new_tokens=128, trees=DEFAULT_TREES) -> list[dict]:  # fmt: skip
+    """Each run's curve, read from its ``json_paths`` entry where that measured the same drafters with the
+    same settings, else measured (the target's held-out answers computed once, on the first need)."""
+    from peagle_jax.bench.trees import paths_of
+
+    kw = {"model": model, "questions_file": questions_file, "questions": questions, "max_new_tokens": max_new_tokens}
+    settings = settings_of(**kw, trees=trees)
+    K = max(max(map(len, paths_of(t))) for t in trees)
+    target, out = None, []
+    for run, path in zip(runs, json_paths, strict=True):
+        if not exports(run):
+            raise UserError(f"{run}: no exported drafters (drafters/step-N or drafter/ with summary.json)")
+        res = measured(path, run, settings)
+        if res is None:
+            if target is None:
+                target = held_out_answers(model, questions_file, questions, max_new_tokens, K)
+            res = curve(run, **kw, trees=trees, target=target)
+        else:
+            print(f"{run}: the curve in {path} measured these drafters; read", file=sys.stderr, flush=True)
+        out.append(res)
+    return out
+
+
+def tree_label(tree: str) -> str:
+    return f"chain of {tree.count(',') + 1}" if set(tree) <= {"0", ","} else f"tree {tree}"
 
 
 def plot(res: dict, path: Path) -> None:
+    """One run's curve: acceptance length per tree against training tokens."""
+    plot_runs([("", res)], path)
+
+
+def plot_runs(named: list[tuple[str, dict]], path: Path) -> None:
+    """``(name, curve)`` pairs on one plot: a colour per run, a line style per tree."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    pts = [p for p in res["points"] if p["tokens"]]
-    trees = list(pts[0]["trees"]) if pts else []
-    for t in trees:
-        label = "chain of 7" if set(t) <= {"0", ","} else f"tree {t}"
-        ax.plot([p["tokens"] for p in pts], [p["trees"][t]["acceptance_length"] for p in pts], "o-", label=label)
+    fig, ax = plt.subplots(figsize=(7, 4.5) if len(named) > 1 else (6, 4))
+    styles = ("o-", "s--", "^:", "d-.")
+    for i, (name, res) in enumerate(named):
+        pts = [p for p in res["points"] if p["tokens"]]
+        trees = list(pts[0]["trees"]) if pts else []
+        for j, t in enumerate(trees):
+            label = f"{name}: {tree_label(t)}" if name else tree_label(t)
+            ys = [p["trees"][t]["acceptance_length"] for p in pts]
+            ax.plot([p["tokens"] for p in pts], ys, styles[j % len(styles)], color=f"C{i}", label=label)
     ax.set_xscale("log")
     ax.set_xlabel("training loss tokens")
     ax.set_ylabel("acceptance length (held-out MT-Bench)")
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -161,33 +247,48 @@ def markdown(res: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = errors.ArgumentParser(prog="python -m peagle_jax.train.curve", description=__doc__.split("\n")[0])
-    p.add_argument("run", help="a training run directory (train/train.py --output)")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="training run directories (train/train.py --output)")
     p.add_argument("--model", default="smollm2", help="the target (default smollm2, the embedded default)")
     p.add_argument("--questions-file", help="MT-Bench-style question.jsonl (default: the pinned MT-Bench asset)")
     p.add_argument("--questions", type=int, default=0, help="use the first N questions (0 = all 80); odd ones held out")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer (default 128)")
     p.add_argument("--trees", default=";".join(DEFAULT_TREES), help="semicolon-separated trees (default: %(default)s)")
-    p.add_argument("--json", help="write the curve here (default RUN/curve.json)")
-    p.add_argument("--plot", help="write the plot here (default RUN/curve.png)")
+    p.add_argument("--json", help="one run: write its curve here (default RUN/curve.json); several: the combined curve")
+    p.add_argument("--plot", help="one run: write its plot here (default RUN/curve.png); several: all runs on one plot")
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    run = Path(args.run)
+    runs = [Path(r) for r in args.runs]
+    one = len(runs) == 1
+    json_paths = [Path(args.json) if one and args.json else r / "curve.json" for r in runs]
+    plot_paths = [Path(args.plot) if one and args.plot else r / "curve.png" for r in runs]
     try:
         if args.max_new_tokens < 2:
             raise UserError("--max-new-tokens must be >= 2")
+        if len(set(runs)) < len(runs):
+            raise UserError("a run is named twice")
         trees = [t.strip() for t in args.trees.split(";") if t.strip()]
         if not trees:
             raise UserError("--trees names no tree")
-        res = curve(run, model=args.model, questions_file=args.questions_file, questions=args.questions or None,
-                    max_new_tokens=args.max_new_tokens, trees=trees)  # fmt: skip
+        results = curves(runs, json_paths=json_paths, model=args.model, questions_file=args.questions_file,
+                         questions=args.questions or None, max_new_tokens=args.max_new_tokens, trees=trees)  # fmt: skip
     except (UserError, ValueError) as e:
         return errors.report(e)
-    Path(args.json or run / "curve.json").write_text(json.dumps(res, indent=1))
-    plot(res, Path(args.plot or run / "curve.png"))
-    print(markdown(res))
+    for res, jp, pp in zip(results, json_paths, plot_paths, strict=True):
+        jp.write_text(json.dumps(res, indent=1))
+        plot(res, pp)
+    if one:
+        print(markdown(results[0]))
+        return 0
+    names = [str(r) for r in runs]
+    if args.json:
+        Path(args.json).write_text(json.dumps({"runs": dict(zip(names, results, strict=True))}, indent=1))
+    if args.plot:
+        plot_runs(list(zip(names, results, strict=True)), Path(args.plot))
+    for name, res in zip(names, results, strict=True):
+        print(f"### {name}\n\n{markdown(res)}\n")
     return 0
 
 

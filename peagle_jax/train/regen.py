@@ -118,7 +118,8 @@ class _ShardAnswers:
     """Generates the answers of one shard's prompts, keeping each as it comes in the shard's partial file (a
     header naming the shard and its prompts, then a record per line, flushed), so that a run stopped inside
     a shard resumes with the answers it had: a prompt's answer depends only on the prompt, the settings and
-    its seed, not on what it was batched with. A torn last line (a kill while writing) is dropped."""
+    its seed (in bf16 up to near-ties, see :mod:`peagle_jax.train.slot_regen`), not on what it was batched
+    with. A torn last line (a kill while writing) is dropped."""
 
     def __init__(self, generator, prompt_ids, max_prompt_tokens, max_new_tokens, temperature, seed, stop_token_ids):
         self.generator, self.prompt_ids = generator, prompt_ids
@@ -295,10 +296,10 @@ def regenerate(
     slots); a continuously batched generator (``continuous = True``,
     :mod:`peagle_jax.train.slot_regen`) takes the prompts of every missing shard as one stream, admitting each
     as a slot frees, and each shard is written as its last answer ends; row i's sampling seed is
-    ``seed + index`` so a shard's content does not depend on batching. ``dtype`` names the generator's
-    compute dtype (recorded); ``conversations`` [i]: prompt i's conversation, written into its record. Each
-    answer is kept in the shard's partial file as it ends, so a run stopped inside a shard resumes with the
-    answers it had (:class:`_ShardAnswers`).
+    ``seed + index`` so a shard's content does not depend on batching (in fp32; in bf16 up to near-ties).
+    ``dtype`` names the generator's compute dtype (recorded); ``conversations`` [i]: prompt i's
+    conversation, written into its record. Each answer is kept in the shard's partial file as it ends, so a
+    run stopped inside a shard resumes with the answers it had (:class:`_ShardAnswers`).
     """
     out_dir = Path(out_dir)
     prompt_ids = [[int(t) for t in p] for p in prompt_ids]

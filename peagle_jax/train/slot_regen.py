@@ -6,8 +6,14 @@ answer ends, so the rows whose answers ended early idle. :class:`SlotGenerator` 
 :class:`~peagle_jax.serve.slots.SlotEngine`: a prompt is admitted into a slot as soon as one frees, so every
 step advances up to ``slots`` live answers; its ``stream_answers`` takes every remaining shard's prompts as one
 stream, so that no slot idles at the end of a shard either. A row's tokens depend only on its own
-prompt, sampling parameters and seed (the slot engine's invariant), so the shards do not depend on the
-slot count or on which prompts share a step.
+prompt, sampling parameters and seed, so in fp32 the shards do not depend on the slot count or on which
+prompts share a step (tested). In bf16 they may, rarely: a step's attention window covers its longest row,
+so what shares a step sets how many masked slots a row's softmax and value products run over, and where
+two tokens' logits nearly tie, the rounding can pick the other (so can a prefill padded to another bucket).
+
+The engine's graphs are bucketed more finely than a server's (:func:`regen_buckets`): a regeneration runs for
+hours over one fixed sequence budget, so a few more graphs to compile cost little against every prompt
+padded less and every step attending over fewer slots.
 """
 
 from __future__ import annotations
@@ -16,16 +22,35 @@ from collections.abc import Hashable, Iterable, Sequence
 
 from peagle_jax.engine.generator import GenerationResult, Generator
 
+PREFILL_STEP = 32  # prefill buckets every 32 tokens: the recipe's ShareGPT prompts pad to 1.14x, not 1.51x
+WINDOW_STEP = 64  # attention windows every 64 slots (serving's double: 128, 256, 512, ...)
+
+
+def regen_buckets(max_seq_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(prefill_buckets, window_buckets)`` of a regeneration over ``max_seq_len`` slots: prefill every
+    :data:`PREFILL_STEP` tokens and then ``max_seq_len`` itself (the largest bucket is the prefill chunk, so
+    the cache keeps ``max_seq_len`` slots), windows every :data:`WINDOW_STEP` slots below it (the generator
+    adds the whole cache)."""
+    prefill = (*range(PREFILL_STEP, max_seq_len, PREFILL_STEP), max_seq_len)
+    return prefill, tuple(range(WINDOW_STEP, max_seq_len, WINDOW_STEP))
+
 
 class SlotGenerator:
     """``generate(prompts, ...)`` answered by ``slots`` continuously batched rows of the target."""
 
     continuous = True  # regenerate() streams every missing shard's prompts through stream_answers
 
-    def __init__(self, cfg, params, *, slots: int, max_seq_len: int):
+    def __init__(self, cfg, params, *, slots: int, max_seq_len: int, buckets: str = "regen"):
+        """``buckets``: ``"regen"`` (:func:`regen_buckets`) or ``"serving"`` (the generator's defaults, as
+        ``python -m peagle_jax.serve`` compiles them; ``python -m peagle_jax.bench.regen`` compares the two)."""
         from peagle_jax.serve.slots import SlotEngine
 
-        self.engine = SlotEngine(Generator(cfg, params, max_seq_len=max_seq_len), slots)
+        if buckets not in ("regen", "serving"):
+            raise ValueError(f"buckets must be 'regen' or 'serving', got {buckets!r}")
+        kw = {}
+        if buckets == "regen":
+            kw["prefill_buckets"], kw["window_buckets"] = regen_buckets(max_seq_len)
+        self.engine = SlotEngine(Generator(cfg, params, max_seq_len=max_seq_len, **kw), slots)
         self.cfg = cfg
 
     def generate(
