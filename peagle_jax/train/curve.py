@@ -285,8 +285,9 @@ def main(argv=None) -> int:
     names = [str(r) for r in runs]
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": dict(zip(names, results, strict=True))}, indent=1))
-    if args.plot:
-        plot_runs(list(zip(names, results, strict=True)), Path(args.plot))
+    if args.plot:  # labelled by directory name where those differ
+        labels = [r.name for r in runs] if len({r.name for r in runs}) == len(runs) else names
+        plot_runs(list(zip(labels, results, strict=True)), Path(args.plot))
     for name, res in zip(names, results, strict=True):
         print(f"### {name}\n\n{markdown(res)}\n")
     return 0
