@@ -62,6 +62,14 @@ def exports(run: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def exports_of(run: Path) -> list[tuple[int, Path]]:
+    """:func:`exports`, refusing a run that has none."""
+    found = exports(run)
+    if not found:
+        raise UserError(f"{run}: no exported drafters (drafters/step-N or drafter/ with summary.json)")
+    return found
+
+
 def drafter_digest(path: Path) -> str:
     """sha256 over a drafter directory's config and weights: a re-exported drafter is measured again."""
     h = hashlib.sha256()
@@ -136,9 +144,7 @@ def curve(run: Path, *, model: str, questions_file=None, questions=None, max_new
     :func:`held_out_answers` to use (several runs share one); computed when None."""
     from peagle_jax.bench.trees import paths_of
 
-    points = exports(run)
-    if not points:
-        raise UserError(f"{run}: no exported drafters (drafters/step-N or drafter/ with summary.json)")
+    points = exports_of(run)
     K = max(max(map(len, paths_of(t))) for t in trees)
     if target is None:
         target = held_out_answers(model, questions_file, questions, max_new_tokens, K)
@@ -181,8 +187,7 @@ def curves(runs: list[Path], *, json_paths: list[Path], model: str, questions_fi
     K = max(max(map(len, paths_of(t))) for t in trees)
     target, out = None, []
     for run, path in zip(runs, json_paths, strict=True):
-        if not exports(run):
-            raise UserError(f"{run}: no exported drafters (drafters/step-N or drafter/ with summary.json)")
+        exports_of(run)  # refused before any other run is measured
         res = measured(path, run, settings)
         if res is None:
             if target is None:
