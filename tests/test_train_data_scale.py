@@ -315,3 +315,50 @@ def test_regeneration_buckets_answer_as_the_batch_generator(tmp_path):
     assert max(len(p) + len(r["response_ids"]) for p, r in zip(prompts, fine, strict=True)) > 128
     with pytest.raises(ValueError, match="buckets must be"):
         SlotGenerator(CFG, params, slots=3, max_seq_len=200, buckets="fine")
+
+
+def test_a_feature_cache_build_stops_cleanly_on_a_full_disk(tmp_path, monkeypatch):
+    """Projected from its first chunk, a cache the disk cannot hold is refused before the rest is computed; a
+    disk that fills up anyway ends the build with one line, no temporary file left; both resume."""
+    import errno
+    import shutil
+
+    from peagle_jax.train import features
+    from peagle_jax.train.prompts import DataError
+
+    params = model.init_params(CFG, jax.random.key(2))
+    rows = _rows(R=8)
+    kw = dict(dtype="bfloat16", chunk_rows=2, progress=False)
+    want = features.build_cache(params, CFG, rows, tmp_path / "whole", **kw)
+    per_chunk = want.sizes()[0] / 4
+    usage = shutil.disk_usage(tmp_path)
+
+    def free(n):
+        monkeypatch.setattr(features.shutil, "disk_usage", lambda _: usage._replace(free=int(n)))
+
+    free(2.5 * per_chunk)  # three chunks to go after the first: about 3 x per_chunk
+    with pytest.raises(DataError, match=r"needs about .* GiB more and the disk has .* GiB free"):
+        features.build_cache(params, CFG, rows, tmp_path / "f", **kw)
+    assert sorted(features._manifest(tmp_path / "f")) == [0]
+
+    real_encode = features._encode_row
+    written = []
+
+    def filling_encode(row, dtype):
+        written.append(1)
+        if len(written) > 2:  # chunk 1's second row: the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_encode(row, dtype)
+
+    free(3.5 * per_chunk)
+    monkeypatch.setattr(features, "_encode_row", filling_encode)
+    with pytest.raises(DataError, match="the disk is full"):
+        features.build_cache(params, CFG, rows, tmp_path / "f", **kw)
+    assert sorted(features._manifest(tmp_path / "f")) == [0]
+    assert not list((tmp_path / "f").glob("*.tmp"))
+
+    monkeypatch.setattr(features, "_encode_row", real_encode)
+    cache = features.build_cache(params, CFG, rows, tmp_path / "f", **kw)
+    for r in range(8):
+        for got, ref in zip(cache.rows([r]), want.rows([r]), strict=True):
+            np.testing.assert_array_equal(got.view(np.uint16), ref.view(np.uint16))

@@ -23,10 +23,12 @@ and refuses a changed file.
 from __future__ import annotations
 
 import collections
+import errno
 import functools
 import hashlib
 import json
 import os
+import shutil
 import zlib
 from pathlib import Path
 
@@ -239,7 +241,9 @@ def build_cache(
     chunks = -(-B // chunk_rows)
     loss_mask = training_layout(rows)[1]
     done = _manifest(directory)
-    for i in tqdm(range(chunks), desc="target features", unit="chunk", disable=not progress):
+    bar = tqdm(range(chunks), desc="target features", unit="chunk", disable=not progress)
+    checked = False
+    for i in bar:
         if _chunk_whole(directory, i, done.get(i)):
             continue
         sl = slice(i * chunk_rows, min((i + 1) * chunk_rows, B))
@@ -249,19 +253,56 @@ def build_cache(
         aux, hidden = target_features(
             params, rows.tokens[take], rows.positions[take], rows.document[take], loss_mask[take], cfg=cfg, dtype=dtype
         )
-        rec = {"chunk": i}
-        for name, arr in (("aux", aux), ("hidden", hidden)):
-            arr = np.asarray(arr)[:n]
-            path, tmp = directory / f"{name}-{i:05d}.bin", directory / f"{name}-{i:05d}.tmp"
-            msb = []
+        try:
+            done[i] = _write_chunk(directory, i, {"aux": aux, "hidden": hidden}, n, dtype)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise DataError(
+                f"{directory}: the disk is full; free some space and run again (the chunks built so far are kept)"
+            ) from None
+        if not checked:  # once, after the first chunk this call builds
+            bar.set_postfix_str(_check_room(directory, done, chunks))
+            checked = True
+    return FeatureCache(directory)
+
+
+def _write_chunk(directory: Path, i: int, arrays: dict, n: int, dtype: str) -> dict:
+    """Chunk i's files (its first n rows) and then its manifest line, which makes it count as built; returns
+    the line. A file is written under a temporary name and renamed into place, so a kill leaves no torn file
+    behind a name (a temporary one is removed when the disk runs full)."""
+    rec = {"chunk": i}
+    for name, arr in arrays.items():
+        arr = np.asarray(arr)[:n]
+        path, tmp = directory / f"{name}-{i:05d}.bin", directory / f"{name}-{i:05d}.tmp"
+        msb = []
+        try:
             with open(tmp, "wb") as f:
                 for row in arr:
                     head, rest = _encode_row(row, dtype)
                     f.write(head)
                     f.write(rest)
                     msb.append(len(head))
-            os.replace(tmp, path)
-            rec[name] = {"file": _digest(path), "shape": list(arr.shape[1:]), "msb_bytes": msb}
-        with open(directory / "chunks.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps(rec) + "\n")
-    return FeatureCache(directory)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+        os.replace(tmp, path)
+        rec[name] = {"file": _digest(path), "shape": list(arr.shape[1:]), "msb_bytes": msb}
+    with open(directory / "chunks.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps(rec) + "\n")
+    return rec
+
+
+def _check_room(directory: Path, done: dict[int, dict], chunks: int) -> str:
+    """Refuse to go on when the disk will not hold the rest of the cache, projected from the chunks built so
+    far; returns the projected size of the whole cache for the progress bar."""
+    stored = sum(rec[name]["file"][0] for rec in done.values() for name in ("aux", "hidden"))
+    per_chunk, left = stored / len(done), chunks - len(done)
+    free = shutil.disk_usage(directory).free
+    if per_chunk * left > free:
+        raise DataError(
+            f"{directory}: the feature cache needs about {per_chunk * left / 2**30:.1f} GiB more and the disk has "
+            f"{free / 2**30:.1f} GiB free; free some space and run again (the chunks built so far are kept), "
+            "or train with batch.features: online"
+        )
+    return f"{per_chunk * chunks / 2**30:.1f} GiB when built"
