@@ -329,13 +329,16 @@ def sliding_visible(visible_BTW, start_B, positions_BT, window: int):
     return visible_BTW & (positions_BT[:, :, None] - key_pos_BW[:, None, :] < window)
 
 
+BF16_FORMS = ("bf16 K @ q^T", "bf16 q @ K^T")  # the forms of attention() for XLA's CPU bf16 kernel
+
+
 def attention_form(rows: int, dtype=jnp.float32) -> str:
     """How :func:`attention` computes the scores for ``rows`` query rows per kv head (M = J*T) over a cache of
     ``dtype``: up to ``SMALL_ROWS`` (every decode, verify and draft step) ``"K @ q^T"``, or for a bf16
-    cache ``"bf16 kernel"``; beyond (prefill chunks) ``"q @ K^T"``."""
+    cache ``"bf16 K @ q^T"``; beyond (prefill chunks) ``"q @ K^T"``."""
     if rows > SMALL_ROWS:
         return "q @ K^T"
-    return "bf16 kernel" if jnp.dtype(dtype) == jnp.bfloat16 else "K @ q^T"
+    return "bf16 K @ q^T" if jnp.dtype(dtype) == jnp.bfloat16 else "K @ q^T"
 
 
 def attention(q_BTNH, k_BGSH, v_BGSH, visible_BTS, form: str | None = None, sinks_N=None):
@@ -351,12 +354,13 @@ def attention(q_BTNH, k_BGSH, v_BGSH, visible_BTS, form: str | None = None, sink
     ``form`` (default :func:`attention_form`) is how the products are computed. ``"K @ q^T"``: the keys are
     the left operand of the scores, and the product is transposed behind an optimization barrier, as
     :func:`linear` does with its weights: as ``q @ K^T``, XLA's CPU dot repacks the whole key window on every
-    call. ``"bf16 kernel"``: ``q @ K^T`` with the query rows padded to at least 4 and the keys behind a
-    barrier, and ``probs @ V`` with the same rows and f32 accumulation: the forms in which XLA's CPU library
-    kernel multiplies bf16 operands (see :func:`linear`); otherwise it converts the key and value windows to
-    f32 first. Measured over SmolLM2's 30 layers on one row with 1 and 8 queries
-    (``python -m peagle_jax.bench.attention``, docs/bench/attention/README.md): 0.46-0.94x the time of
-    ``q @ K^T`` in fp32 and 0.31-0.59x in bf16, windows of 256 to 2048 slots.
+    call. ``"bf16 K @ q^T"``: the same with bf16 operands and f32 accumulation, the query rows padded to at
+    least 4 (a row's scores then do not depend on the other rows), and ``probs @ V`` with the same rows: the
+    forms in which XLA's CPU library kernel multiplies bf16 operands (see :func:`linear`); otherwise it
+    converts the key and value windows to f32 first. ``"bf16 q @ K^T"`` (kept for the benchmark) is the
+    kernel's other form for the scores, ``q @ K^T`` with the keys behind a barrier, which repacks each row's
+    key window and takes about twice as long. Measured over SmolLM2's 30 layers
+    (``python -m peagle_jax.bench.attention``, docs/bench/attention/README.md).
     """
     from peagle_jax import chain_attention as chain  # imported here: that module builds on this one
 
@@ -372,13 +376,16 @@ def attention(q_BTNH, k_BGSH, v_BGSH, visible_BTS, form: str | None = None, sink
         q_BGMH = q_BGJTH.reshape(B, G, M, H)
         scores_BGSM = jnp.einsum("BGSH,BGMH->BGSM", k_BGSH, q_BGMH, precision=EXACT, preferred_element_type=jnp.float32)
         scores_BGJTS = jnp.swapaxes(jax.lax.optimization_barrier(scores_BGSM), -1, -2).reshape(*q_BGJTH.shape[:4], -1)
-    elif form == "bf16 kernel":
+    elif form in BF16_FORMS:
         Z = max(4, padded_rows(M))
         q_BGZH = jnp.pad(q_BGJTH.reshape(B, G, M, H).astype(k_BGSH.dtype), ((0, 0), (0, 0), (0, Z - M), (0, 0)))
         dims = (((3,), (3,)), ((0, 1), (0, 1)))
-        scores_BGZS = jax.lax.dot_general(
-            q_BGZH, jax.lax.optimization_barrier(k_BGSH), dims, preferred_element_type=jnp.float32
-        )
+        if form == "bf16 K @ q^T":
+            scores_BGSZ = jax.lax.dot_general(k_BGSH, q_BGZH, dims, preferred_element_type=jnp.float32)
+            scores_BGZS = jnp.swapaxes(jax.lax.optimization_barrier(scores_BGSZ), -1, -2)
+        else:
+            k_BGSH = jax.lax.optimization_barrier(k_BGSH)
+            scores_BGZS = jax.lax.dot_general(q_BGZH, k_BGSH, dims, preferred_element_type=jnp.float32)
         scores_BGJTS = scores_BGZS[:, :, :M].reshape(*q_BGJTH.shape[:4], -1)
     elif form == "q @ K^T":
         scores_BGJTS = jnp.einsum("BGJTH,BGSH->BGJTS", q_BGJTH, k_BGSH, preferred_element_type=jnp.float32)
@@ -392,7 +399,7 @@ def attention(q_BTNH, k_BGSH, v_BGSH, visible_BTS, form: str | None = None, sink
         sink_BGJT1 = jnp.broadcast_to(sinks_N.astype(jnp.float32).reshape(1, G, J, 1, 1), (*scores_BGJTS.shape[:4], 1))
         with_sink = jnp.concatenate([scores_BGJTS, sink_BGJT1], axis=-1)
         probs_BGJTS = jax.nn.softmax(with_sink, axis=-1)[..., :-1].astype(v_BGSH.dtype)
-    if form == "bf16 kernel":  # the same kernel for probs @ V: rows padded, f32 accumulation
+    if form in BF16_FORMS:  # the same kernel for probs @ V: rows padded, f32 accumulation
         probs_BGZS = jnp.pad(probs_BGJTS.reshape(B, G, M, -1), ((0, 0), (0, 0), (0, Z - M), (0, 0)))
         dims = (((3,), (2,)), ((0, 1), (0, 1)))
         out_BGZH = jax.lax.dot_general(probs_BGZS, v_BGSH, dims, preferred_element_type=jnp.float32)

@@ -480,7 +480,7 @@ def test_full_size_configs_map_onto_the_hub_shapes(hf):
     assert len(layer0) == (17 if cfg.family == "gpt_oss" else 11), layer0  # the hub's tensors of one layer
 
 
-@pytest.mark.parametrize("form", ["K @ q^T", "q @ K^T", "bf16 kernel"])
+@pytest.mark.parametrize("form", ["K @ q^T", "q @ K^T", "bf16 K @ q^T", "bf16 q @ K^T"])
 def test_attention_sinks_join_the_softmax_denominator(form):
     """p_j = exp(s_j - m) / (sum_k exp(s_k - m) + exp(sink - m)) with m over scores and sink, in every form."""
     from peagle_jax import ops
@@ -497,7 +497,7 @@ def test_attention_sinks_join_the_softmax_denominator(form):
     e = np.exp(s - m)
     p = e / (e.sum(-1, keepdims=True) + np.exp(sinks[None, :, None, None] - m))
     want = np.einsum("BNTS,BNSH->BTNH", p, np.repeat(v, N // G, axis=1))
-    dt = jnp.bfloat16 if form == "bf16 kernel" else jnp.float32
+    dt = jnp.bfloat16 if form in ops.BF16_FORMS else jnp.float32
     got = ops.attention(
         jnp.asarray(q, dt),
         jnp.asarray(k, dt),

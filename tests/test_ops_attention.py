@@ -39,7 +39,7 @@ def _reference(q, k, v, visible):
     return np.einsum("bnts,bnsh->btnh", p, vv)
 
 
-@pytest.mark.parametrize("form", ["q @ K^T", "K @ q^T", "bf16 kernel", None])
+@pytest.mark.parametrize("form", ["q @ K^T", "K @ q^T", "bf16 K @ q^T", "bf16 q @ K^T", None])
 @pytest.mark.parametrize("T", [1, 5])
 def test_attention_forms_equal_reference(form, T):
     q, k, v, visible = _inputs(T, 40)
@@ -54,16 +54,42 @@ def test_unknown_form_is_refused():
 
 def test_attention_form_by_rows():
     assert ops.attention_form(1) == ops.attention_form(ops.SMALL_ROWS) == "K @ q^T"
-    assert ops.attention_form(1, jnp.bfloat16) == ops.attention_form(ops.SMALL_ROWS, jnp.bfloat16) == "bf16 kernel"
+    assert ops.attention_form(1, jnp.bfloat16) == ops.attention_form(ops.SMALL_ROWS, jnp.bfloat16) == "bf16 K @ q^T"
     assert ops.attention_form(ops.SMALL_ROWS + 1) == ops.attention_form(ops.SMALL_ROWS + 1, jnp.bfloat16) == "q @ K^T"
 
 
+@pytest.mark.parametrize("form", [None, "bf16 q @ K^T"])
 @pytest.mark.parametrize("T", [1, 5])
-def test_bf16_kernel_form_equals_reference_in_bf16(T):
+def test_bf16_kernel_forms_equal_reference_in_bf16(T, form):
     q, k, v, visible = _inputs(T, 40, seed=T)
-    got = jax.jit(ops.attention)(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), visible)
+    attend = jax.jit(ops.attention, static_argnames="form")
+    got = attend(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), visible, form=form)
     want = _reference(*(np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32) for x in (q, k, v)), visible)
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0.05, atol=0.05)
+
+
+def test_bf16_rows_do_not_depend_on_the_other_rows():
+    """A row's bf16 attention is the same bit for bit whatever else shares its product: alone (a decode step),
+    among the queries of a verify, or with other rows of the batch; what makes a decode step and a verify of
+    the same tokens agree."""
+    q, k, v, visible = (jnp.asarray(x, jnp.bfloat16) if x.dtype != bool else x for x in _inputs(6, 48, seed=3))
+    attend = jax.jit(ops.attention)
+    whole = np.asarray(attend(q, k, v, visible), np.float32)
+    for t in range(6):
+        alone = attend(q[:1, t : t + 1], k[:1], v[:1], visible[:1, t : t + 1])
+        np.testing.assert_array_equal(np.asarray(alone, np.float32), whole[:1, t : t + 1])
+
+
+@pytest.mark.parametrize("T", [1, 8])
+def test_compiled_bf16_scores_keep_the_keys_as_left_operand_in_bf16(T):
+    """The bf16 scores' dot takes the bf16 keys as its left operand, producing ``[.., S, Z]`` (Z: the query
+    rows padded), with no conversion of the key window to f32 before it."""
+    q, k, v, visible = (jnp.asarray(x, jnp.bfloat16) if x.dtype != bool else x for x in _inputs(T, 64))
+    text = jax.jit(ops.attention).lower(q, k, v, visible).compile().as_text()
+    Z = max(4, ops.padded_rows(3 * T))
+    dots = re.findall(r"= f32\[([\d,]+)\]\{[\d,]*\} dot\(", text)
+    assert sorted(dots) == sorted([f"2,2,64,{Z}", f"2,2,{Z},8"])
+    assert not re.search(r"f32\[2,2,64,8\]\{[\d,]*\} convert\(", text)  # no key or value window in f32
 
 
 @pytest.mark.parametrize("T", [1, 8])
@@ -84,16 +110,21 @@ def test_compiled_scores_keep_the_keys_as_left_operand(T):
 def test_bench_attention_times_every_form(tmp_path, capsys):
     model = write_tiny_model(tmp_path / "target")
     out = tmp_path / "attention.json"
-    argv = ["--model", str(model), "--windows", "16,32", "--queries", "1,3", "--rounds", "2", "--json", str(out)]
+    argv = ["--model", str(model), "--windows", "16,32", "--queries", "1,3", "--rounds", "2", "--rows", "2"]
+    argv += ["--json", str(out)]
     assert bench_attention.main(argv) == 0
     table = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert [(r["window"], r["queries"]) for r in result["results"]] == [(16, 1), (16, 3), (32, 1), (32, 3)]
     for r in result["results"]:
-        assert set(r["ms"]) == {"q @ K^T", "K @ q^T", "bf16 kernel"} and min(r["ms"].values()) > 0
+        assert set(r["ms"]) == {"q @ K^T", "K @ q^T", "bf16 q @ K^T", "bf16 K @ q^T"} and min(r["ms"].values()) > 0
+        best_other = min(t for f, t in r["ms"].items() if f != "K @ q^T")
+        assert abs(r["vs_best_other"] - r["ms"]["K @ q^T"] / best_other) < 1e-9
         assert abs(r["ratio"] - r["ms"]["K @ q^T"] / r["ms"]["q @ K^T"]) < 1e-9 and r["picks"] == "K @ q^T"
     assert "| window W | queries T |" in table and "| 32 | 3 |" in table
     assert bench_attention.main(["--model", str(model), "--windows", "0"]) == 2
     assert "error: --windows" in capsys.readouterr().err
+    assert bench_attention.main(["--model", str(model), "--rows", "0"]) == 2
+    assert "--rows >= 1" in capsys.readouterr().err
     assert bench_attention.main(["--model", str(tmp_path / "missing")]) == 2
     assert capsys.readouterr().err.startswith("error: ")
