@@ -15,7 +15,8 @@ from peagle_jax.engine.generator import Generator
 from peagle_jax.models import model
 from peagle_jax.train.data import split_records
 from peagle_jax.train.pack import pack
-from peagle_jax.train.prompts import held_out_score, load_prompt_items, turn_prompts
+from peagle_jax.train.prompts import DataError, held_out_score, load_prompt_items, turn_prompts
+from peagle_jax.train.recipe import load_recipe
 from peagle_jax.train.regen import fitted_prompt_ids, read_shards, regenerate
 from peagle_jax.train.slot_regen import SlotGenerator
 
@@ -362,3 +363,35 @@ def test_a_feature_cache_build_stops_cleanly_on_a_full_disk(tmp_path, monkeypatc
     for r in range(8):
         for got, ref in zip(cache.rows([r]), want.rows([r]), strict=True):
             np.testing.assert_array_equal(got.view(np.uint16), ref.view(np.uint16))
+
+
+def test_regeneration_workers_write_the_shards_one_process_writes(tmp_path):
+    """``data.regen_workers=2``: two processes, each on its own core and every other shard of every pass,
+    write the same shards as one process (fp32); a worker that fails ends the run with one line."""
+    from peagle_jax.train.cli import main
+    from peagle_jax.train.regen_workers import core_shares, regenerate_in_workers
+
+    common = ["--config", "train/configs/tiny.yaml", "data.max_prompts=10", "data.shard_size=3", "data.regen_slots=4"]
+    common += ["data.extra_temperatures=1.0", "--until", "data", "run.progress=false"]
+    for name, workers in (("one", 1), ("two", 2)):
+        main([*common, "--output", str(tmp_path / name), f"data.regen_workers={workers}"])
+    for d in ("regen", "regen-t1"):
+        one, two = (sorted((tmp_path / name / d).glob("shard-*.jsonl")) for name in ("one", "two"))
+        assert [p.name for p in one] == [p.name for p in two] and len(one) == 4
+        for a, b in zip(one, two, strict=True):
+            assert a.read_text() == b.read_text()
+        assert not list((tmp_path / "two" / d).glob("*.partial")) and not list((tmp_path / "two" / d).glob("*.tmp"))
+
+    shares = core_shares(2)
+    assert shares == [None, None] or (not shares[0] & shares[1] and len(shares[0] | shares[1]) >= 2)
+    recipe = load_recipe("train/configs/tiny.yaml", ["data.regen_workers=2", "data.regen_slots=4"])
+    with pytest.raises(DataError, match=r"regeneration worker 1 of 2 stopped with exit code 1 .*run again to resume"):
+        regenerate_in_workers(recipe, tmp_path / "bad", str(tmp_path / "missing"), [[5, 6]], [0], [2], print)
+
+
+def test_a_regeneration_worker_ends_with_the_process_that_started_it():
+    import subprocess
+    import sys
+
+    code = "import time; from peagle_jax.train.regen_workers import _exit_with_parent as e; e(-1); time.sleep(60)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=30).returncode == 1  # its parent is not -1

@@ -191,7 +191,10 @@ def regen_dir(out: Path, k: int, temperature: float) -> Path:
     return out / "regen" if k == 0 else out / f"regen-t{temperature:g}"
 
 
-def regenerated_records(recipe: Recipe, out: Path, cfg, params, tokenizer, log) -> list[dict]:
+def regenerated_records(recipe: Recipe, out: Path, cfg, params, tokenizer, log, source: str) -> list[dict]:
+    """The regenerated answers of every pass (``data.temperature`` and each of ``extra_temperatures``),
+    answering the missing shards first: in this process, or in ``data.regen_workers`` worker processes that
+    load the target from ``source``."""
     dc = recipe.data
     items = load_prompt_items(dc.prompts, dc.max_prompts or None, turns=dc.turns)
     log(f"prompts: {len(items)} from {dc.prompts} ({dc.turns} user turns)")
@@ -208,8 +211,13 @@ def regenerated_records(recipe: Recipe, out: Path, cfg, params, tokenizer, log) 
     }
     key = {"digest": hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()}
     prompt_ids = cached_prompt_ids(out / "regen" / "prompt_ids.npz", key, tokenize)
-    gen = regen_generator(recipe, cfg, params, log)
     stops = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    conversations = [c for c, _ in items]
+    if dc.regen_workers > 1 and dc.regen_slots and not dc.regen_endpoints:
+        from peagle_jax.train.regen_workers import regenerate_in_workers
+
+        regenerate_in_workers(recipe, out, source, prompt_ids, conversations, sorted(stops), log)
+    gen = regen_generator(recipe, cfg, params, log)  # with workers, what they left (nothing) is checked here
     records = []
     for k, temperature in enumerate(dc.temperatures):
         shards = regenerate(
@@ -224,7 +232,7 @@ def regenerated_records(recipe: Recipe, out: Path, cfg, params, tokenizer, log) 
             stop_token_ids=sorted(stops),
             progress=recipe.run.progress,
             dtype=dc.regen_dtype,
-            conversations=[c for c, _ in items],
+            conversations=conversations,
             desc=f"regenerate (temperature {temperature:g})",
         )
         records.extend(read_shards(shards))
@@ -314,7 +322,7 @@ def run(recipe: Recipe, output: str | Path, *, log=print, until: str = "train") 
         records = dataset_records(recipe, cfg, tokenizer, log)
     else:
         records = meshlib.primary_first(
-            "regeneration", lambda: regenerated_records(recipe, data_root, cfg, params, tokenizer, log)
+            "regeneration", lambda: regenerated_records(recipe, data_root, cfg, params, tokenizer, log, source)
         )
 
     if until == "data":

@@ -31,9 +31,11 @@ class DataConfig:
     or a YAML list) of OpenAI-compatible servers of the same target (vLLM, ``python -m peagle_jax.serve``)
     that regenerate instead of this process, ``regen_concurrency`` requests at a time per server
     (:mod:`peagle_jax.train.endpoints`). ``regen_slots`` > 0 regenerates in-process with continuous batching
-    over that many rows (:mod:`peagle_jax.train.slot_regen`) instead of batches of ``regen_batch``;
-    ``regen_dtype`` is the target's dtype while it regenerates. ``turns``: ``first`` (each conversation's
-    first user turn) or ``all`` (every user turn, with the conversation before it). ``extra_temperatures``:
+    over that many rows (:mod:`peagle_jax.train.slot_regen`) instead of batches of ``regen_batch``, in
+    ``regen_workers`` processes side by side, each on its own cores and share of the shards
+    (:mod:`peagle_jax.train.regen_workers`); ``regen_dtype`` is the target's dtype while it regenerates.
+    ``turns``: ``first`` (each conversation's first user turn) or ``all`` (every user turn, with the
+    conversation before it). ``extra_temperatures``:
     comma-separated temperatures at which every prompt is answered again, sampled, into ``regen-tT/``.
     ``from_run``: the directory of another run whose regenerated answers (``regen*/``) and feature cache
     (``features/``) this run uses instead of its own, so that two drafters (P-EAGLE and its EAGLE-3
@@ -51,6 +53,7 @@ class DataConfig:
     regen_endpoints: str = ""
     regen_concurrency: int = 8
     regen_slots: int = 0
+    regen_workers: int = 1
     regen_dtype: str = "float32"
     turns: str = "first"
     extra_temperatures: str = ""
@@ -74,6 +77,7 @@ class DataConfig:
                 ("shard_size", self.shard_size >= 1, "must be >= 1"),
                 ("regen_concurrency", self.regen_concurrency >= 1, "must be >= 1"),
                 ("regen_slots", self.regen_slots >= 0, "must be >= 0"),
+                ("regen_workers", self.regen_workers >= 1, "must be >= 1"),
                 ("regen_dtype", self.regen_dtype in ("float32", "bfloat16"), "must be float32 or bfloat16"),
                 ("turns", self.turns in ("first", "all"), "must be first or all"),
                 (

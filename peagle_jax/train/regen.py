@@ -268,7 +268,7 @@ def _check_settings(out_dir: Path, settings: RegenSettings) -> None:
             )
         return
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # workers may write it at once
     tmp.write_text(json.dumps(want, indent=1))
     os.replace(tmp, path)
 
@@ -289,6 +289,8 @@ def regenerate(
     dtype: str = "float32",
     conversations: Sequence[int] | None = None,
     desc: str = "regenerate",
+    share: tuple[int, int] = (0, 1),
+    bar_position: int | None = None,
 ) -> list[Path]:
     """Write every missing shard for the tokenized prompts; returns all shard paths in order.
 
@@ -299,7 +301,9 @@ def regenerate(
     ``seed + index`` so a shard's content does not depend on batching (in fp32; in bf16 up to near-ties).
     ``dtype`` names the generator's compute dtype (recorded); ``conversations`` [i]: prompt i's
     conversation, written into its record. Each answer is kept in the shard's partial file as it ends, so a
-    run stopped inside a shard resumes with the answers it had (:class:`_ShardAnswers`).
+    run stopped inside a shard resumes with the answers it had (:class:`_ShardAnswers`). ``share`` ``(w, n)``:
+    answer only shards w, w + n, ... (worker w of n, :mod:`peagle_jax.train.regen_workers`), its progress bar
+    at line ``bar_position``.
     """
     out_dir = Path(out_dir)
     prompt_ids = [[int(t) for t in p] for p in prompt_ids]
@@ -307,9 +311,16 @@ def regenerate(
     _check_settings(out_dir, settings)
     num_shards = -(-len(prompt_ids) // shard_size)
     paths = [shard_path(out_dir, i) for i in range(num_shards)]
-    todo = [i for i, p in enumerate(paths) if not _shard_done(p, i, prompt_ids[i * shard_size : (i + 1) * shard_size])]
-    bar = tqdm(total=len(prompt_ids), desc=desc, unit="prompt", disable=not progress)
-    bar.update(len(prompt_ids) - sum(min(shard_size, len(prompt_ids) - i * shard_size) for i in todo))
+    worker, workers = share
+    mine = range(worker, num_shards, workers)
+    todo = [i for i in mine if not _shard_done(paths[i], i, prompt_ids[i * shard_size : (i + 1) * shard_size])]
+
+    def size(i: int) -> int:
+        return min(shard_size, len(prompt_ids) - i * shard_size)
+
+    total = sum(size(i) for i in mine)
+    bar = tqdm(total=total, desc=desc, unit="prompt", disable=not progress, position=bar_position)
+    bar.update(total - sum(size(i) for i in todo))
     answers = _ShardAnswers(generator, prompt_ids, max_prompt_tokens, max_new_tokens, temperature, seed, stop_token_ids)
 
     def finish(shard: _OpenShard) -> None:
