@@ -153,6 +153,9 @@ def test_recipe_sections_and_overrides(tmp_path):
         load_recipe(TINY, ["batch=3"])
     with pytest.raises(ConfigError, match="partitioning is for the peagle objective"):
         load_recipe(TINY, ["optim.objective=eagle3", "optim.segments=2"])
+    with pytest.raises(ConfigError, match="data.regen_workers > 1 needs regen_slots > 0"):
+        load_recipe(TINY, ["data.regen_workers=2"])
+    assert load_recipe(TINY, ["data.regen_workers=2", "data.regen_slots=4"]).data.regen_workers == 2
 
 
 def test_overrides_are_taken_anywhere_on_the_command_line():

@@ -213,7 +213,7 @@ def regenerated_records(recipe: Recipe, out: Path, cfg, params, tokenizer, log, 
     prompt_ids = cached_prompt_ids(out / "regen" / "prompt_ids.npz", key, tokenize)
     stops = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     conversations = [c for c, _ in items]
-    if dc.regen_workers > 1 and dc.regen_slots and not dc.regen_endpoints:
+    if dc.regen_workers > 1:  # with the slot engine (the recipe checks)
         from peagle_jax.train.regen_workers import regenerate_in_workers
 
         regenerate_in_workers(recipe, out, source, prompt_ids, conversations, sorted(stops), log)

@@ -78,6 +78,11 @@ class DataConfig:
                 ("regen_concurrency", self.regen_concurrency >= 1, "must be >= 1"),
                 ("regen_slots", self.regen_slots >= 0, "must be >= 0"),
                 ("regen_workers", self.regen_workers >= 1, "must be >= 1"),
+                (
+                    "regen_workers",
+                    self.regen_workers == 1 or (self.regen_slots > 0 and not self.regen_endpoints),
+                    "> 1 needs regen_slots > 0 (the slot engine) and no regen_endpoints",
+                ),
                 ("regen_dtype", self.regen_dtype in ("float32", "bfloat16"), "must be float32 or bfloat16"),
                 ("turns", self.turns in ("first", "all"), "must be first or all"),
                 (

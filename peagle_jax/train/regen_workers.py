@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -103,7 +102,6 @@ def regenerate_in_workers(recipe, out: Path, source: str, prompt_ids, conversati
         for p in procs:
             if p.is_alive():
                 p.terminate()
-        sys.stderr.flush()
     failed = [(w, p.exitcode) for w, p in enumerate(procs) if p.exitcode != 0]
     if failed:
         w, code = failed[0]
