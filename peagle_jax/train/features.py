@@ -9,13 +9,13 @@ function on the same rows, so they give the same batches bit for bit (tested).
 
 Cache layout: ``DIR/features.json`` (shapes, dtype, rows per chunk, a digest of the rows), per chunk of rows
 ``aux-{i:05d}.bin`` / ``hidden-{i:05d}.bin``, and ``DIR/chunks.jsonl``, a line per finished chunk with each
-file's size, sha256, row shape and per-row layout. A row is stored as two parts: the byte plane that holds
-each value's sign and exponent (its most significant byte, which takes few distinct values in hidden
-states), deflated, then the other bytes of every value as they are (mantissa bits do not compress). That is
-lossless and smaller than the raw values (:meth:`FeatureCache.sizes`; the zeros of ``target_hidden`` take
-almost no room), and a row decodes in milliseconds; the files are memory-mapped and only the rows a batch
-needs are decoded. A chunk counts as built only once its line is written (after both files are renamed into
-place), so a build killed at any point resumes by redoing the chunks without a line or whose files' sizes
+file's size, sha256, row shape and per-row layout. A row is stored as two parts, each deflated: the byte
+plane that holds each value's sign and exponent (its most significant byte, which takes few distinct values in
+hidden states), then the other bytes of every value (mantissa bits hardly compress, but the zeros of
+``target_hidden`` off the loss positions do). That is lossless and smaller than the raw values
+(:meth:`FeatureCache.sizes`), and a row decodes in milliseconds; the files are memory-mapped and only the rows
+a batch needs are decoded. A chunk counts as built only once its line is written (after both files are renamed
+into place), so a build killed at any point resumes by redoing the chunks without a line or whose files' sizes
 differ from it: no torn chunk is ever read. The reader checks a chunk's checksums when it first opens it
 and refuses a changed file.
 """
@@ -81,7 +81,7 @@ def rows_digest(rows: PackedRows) -> str:
     return h.hexdigest()[:16]
 
 
-FORMAT = "msb-deflate"  # features.json's "format": the row layout above
+FORMAT = "planes-deflate"  # features.json's "format": the row layout above
 OPEN_CHUNKS = 256  # chunks a reader keeps memory-mapped
 
 
@@ -91,20 +91,23 @@ def _storage(dtype: str) -> np.dtype:
 
 
 def _encode_row(row: np.ndarray, dtype: str) -> tuple[bytes, bytes]:
-    """``(deflated sign-and-exponent bytes, the other bytes)`` of one row's values."""
+    """``(sign-and-exponent bytes, the other bytes)`` of one row's values, each deflated."""
     k = _storage(dtype).itemsize
     b = np.ascontiguousarray(row).view(_storage(dtype)).view(np.uint8).reshape(-1, k)
-    return zlib.compress(b[:, k - 1].tobytes(), 1), b[:, : k - 1].tobytes()
+    return zlib.compress(b[:, k - 1].tobytes(), 1), zlib.compress(b[:, : k - 1].tobytes(), 1)
 
 
-def _decode_row(buf: np.ndarray, offset: int, msb_bytes: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-    """The row that :func:`_encode_row` stored at ``offset`` of ``buf`` (a memory-mapped chunk file)."""
+def _decode_row(buf: np.ndarray, offset: int, parts: tuple[int, int], shape: tuple[int, ...], dtype: str):
+    """The row that :func:`_encode_row` stored at ``offset`` of ``buf`` (a memory-mapped chunk file) in two
+    parts of ``parts`` bytes."""
     st = _storage(dtype)
     k, n = st.itemsize, int(np.prod(shape))
+    high, low = parts
     out = np.empty((n, k), np.uint8)
-    out[:, k - 1] = np.frombuffer(zlib.decompress(buf[offset : offset + msb_bytes]), np.uint8)
-    rest = offset + msb_bytes
-    out[:, : k - 1] = buf[rest : rest + n * (k - 1)].reshape(n, k - 1)
+    out[:, k - 1] = np.frombuffer(zlib.decompress(buf[offset : offset + high]), np.uint8)
+    out[:, : k - 1] = np.frombuffer(zlib.decompress(buf[offset + high : offset + high + low]), np.uint8).reshape(
+        n, k - 1
+    )
     values = out.view(st).reshape(shape)
     return values.view(jnp.bfloat16) if dtype == "bfloat16" else values
 
@@ -165,8 +168,8 @@ class FeatureCache:
         self._checked: set[int] = set()
 
     def _chunk(self, i: int) -> dict[str, tuple]:
-        """Chunk i's files, checked (once) and memory-mapped: name -> (bytes, row offsets, sign-and-exponent
-        sizes, row shape). The :data:`OPEN_CHUNKS` most recently read stay mapped: an epoch of a large cache
+        """Chunk i's files, checked (once) and memory-mapped: name -> (bytes, row offsets, the sizes of
+        each row's two parts, row shape). The :data:`OPEN_CHUNKS` most recently read stay mapped: an epoch of a large cache
         reads every chunk, and a process may hold only so many mappings."""
         if i in self._open:
             self._open.move_to_end(i)
@@ -177,10 +180,9 @@ class FeatureCache:
             path = self.dir / f"{name}-{i:05d}.bin"
             if rec is None or not path.exists() or (i not in self._checked and _digest(path) != rec[name]["file"]):
                 raise DataError(f"{path}: missing or changed since the cache was built; delete it and build again")
-            shape, msb = tuple(rec[name]["shape"]), rec[name]["msb_bytes"]
-            rest = int(np.prod(shape)) * (_storage(self.meta["dtype"]).itemsize - 1)
-            offsets = np.concatenate([[0], np.cumsum(np.asarray(msb) + rest)[:-1]]).tolist()
-            chunk[name] = (np.memmap(path, np.uint8, mode="r"), offsets, msb, shape)
+            shape, parts = tuple(rec[name]["shape"]), [tuple(p) for p in rec[name]["row_parts"]]
+            offsets = np.concatenate([[0], np.cumsum([sum(p) for p in parts])[:-1]]).tolist()
+            chunk[name] = (np.memmap(path, np.uint8, mode="r"), offsets, parts, shape)
         self._checked.add(i)
         self._open[i] = chunk
         while len(self._open) > OPEN_CHUNKS:
@@ -200,7 +202,7 @@ class FeatureCache:
         for rec in self.manifest.values():
             for name in ("aux", "hidden"):
                 stored += rec[name]["file"][0]
-                raw += len(rec[name]["msb_bytes"]) * int(np.prod(rec[name]["shape"])) * k
+                raw += len(rec[name]["row_parts"]) * int(np.prod(rec[name]["shape"])) * k
         return stored, raw
 
     def row(self, r: int) -> tuple[np.ndarray, np.ndarray]:
@@ -208,8 +210,8 @@ class FeatureCache:
         chunk, j = self._chunk(r // self.chunk), r % self.chunk
         out = []
         for name in ("aux", "hidden"):
-            buf, offsets, msb, shape = chunk[name]
-            out.append(_decode_row(buf, offsets[j], msb[j], shape, self.meta["dtype"]))
+            buf, offsets, parts, shape = chunk[name]
+            out.append(_decode_row(buf, offsets[j], parts[j], shape, self.meta["dtype"]))
         return out[0], out[1]
 
     def rows(self, idx) -> tuple[np.ndarray, np.ndarray]:
@@ -275,19 +277,19 @@ def _write_chunk(directory: Path, i: int, arrays: dict, n: int, dtype: str) -> d
     for name, arr in arrays.items():
         arr = np.asarray(arr)[:n]
         path, tmp = directory / f"{name}-{i:05d}.bin", directory / f"{name}-{i:05d}.tmp"
-        msb = []
+        parts = []
         try:
             with open(tmp, "wb") as f:
                 for row in arr:
                     head, rest = _encode_row(row, dtype)
                     f.write(head)
                     f.write(rest)
-                    msb.append(len(head))
+                    parts.append([len(head), len(rest)])
         except OSError:
             tmp.unlink(missing_ok=True)
             raise
         os.replace(tmp, path)
-        rec[name] = {"file": _digest(path), "shape": list(arr.shape[1:]), "msb_bytes": msb}
+        rec[name] = {"file": _digest(path), "shape": list(arr.shape[1:]), "row_parts": parts}
     with open(directory / "chunks.jsonl", "a", encoding="utf-8") as f:
         f.write(json.dumps(rec) + "\n")
     return rec
