@@ -169,8 +169,8 @@ class FeatureCache:
 
     def _chunk(self, i: int) -> dict[str, tuple]:
         """Chunk i's files, checked (once) and memory-mapped: name -> (bytes, row offsets, the sizes of
-        each row's two parts, row shape). The :data:`OPEN_CHUNKS` most recently read stay mapped: an epoch of a large cache
-        reads every chunk, and a process may hold only so many mappings."""
+        each row's two parts, row shape). The :data:`OPEN_CHUNKS` most recently read stay mapped: an epoch of
+        a large cache reads every chunk, and a process may hold only so many mappings."""
         if i in self._open:
             self._open.move_to_end(i)
             return self._open[i]
