@@ -97,7 +97,7 @@ def _encode_row(row: np.ndarray, dtype: str) -> tuple[bytes, bytes]:
     return zlib.compress(b[:, k - 1].tobytes(), 1), zlib.compress(b[:, : k - 1].tobytes(), 1)
 
 
-def _decode_row(buf: np.ndarray, offset: int, parts: tuple[int, int], shape: tuple[int, ...], dtype: str):
+def _decode_row(buf: np.ndarray, offset: int, parts: tuple[int, int], shape: tuple[int, ...], dtype: str) -> np.ndarray:
     """The row that :func:`_encode_row` stored at ``offset`` of ``buf`` (a memory-mapped chunk file) in two
     parts of ``parts`` bytes."""
     st = _storage(dtype)
