@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from peagle_jax.bench import train as bench_train
@@ -22,6 +24,10 @@ def test_sweep_times_both_objectives_side_by_side(tmp_path, capsys):
     assert rows[0]["vs_first"] == 1.0
     for r in rows:
         assert r["step_s"] > 0 and r["loss_tokens_per_s"] == pytest.approx(round(0.55 * 256) / r["step_s"])
+        assert r["gflops"] == pytest.approx(r["gflop"] / r["step_s"])
+    # the step does more than its LM head's forward over the answer positions, forward and backward over both
+    # layers' products (P-EAGLE: 1 layer, D = 576, 64 draft ids, 141 answer positions of 256)
+    assert rows[0]["gflop"] > 3 * 2 * 141 * 576 * 64 / 1e9
     assert "| 1 | 64 | 2 | eagle3 |" in capsys.readouterr().out
 
 
@@ -31,3 +37,10 @@ def test_bad_sweep_entries_are_refused(capsys, entry):
         bench_train.main(["--sweep", entry])
     assert exit_.value.code == 2
     assert f"--sweep entry {entry!r}" in capsys.readouterr().err
+
+
+def test_flop_count_is_xla_s_count_of_the_products():
+    # a lone product's count is 2 M K N, which is what the step's GFLOP/s rests on
+    lowered = jax.jit(lambda a, b: a @ b).lower(jnp.ones((16, 32)), jnp.ones((32, 64)))
+    assert bench_train._gflop(lowered) == pytest.approx(2 * 16 * 32 * 64 / 1e9)
+    assert bench_train.lone_product_gflops(16, 32, 64, "bfloat16", repeats=2) > 0

@@ -14,6 +14,9 @@ reference formulation): the drafter over a dense [Y, Y] element mask (EAGLE-3: e
 [T, K*T] mask), the target's logits per element (EAGLE-3: at every position), and bf16 products written in
 the operands' dtype (XLA's CPU computes those in f32). Rounds interleave every
 variant; medians of the step times are reported as loss tokens per second (positions in the loss per second).
+Each variant also gets XLA's count of its step's floating-point operations (GFLOP; *online* adds the target's
+forward) and the GFLOP/s it reaches, to read against a product of the LM head's shape timed alone (the rate
+the CPU's product kernel reaches with nothing around it); ``--sweep`` reports both for every shape.
 
 Memory: XLA's compiled memory analysis (``temp`` buffers: activations, attention scores and gradients)
 of one train step at ``--long-seq-len`` positions for 1 (unpartitioned), 2, 4 and 8 segments. Compile only.
@@ -186,6 +189,7 @@ def throughput(args) -> dict:
         return target_features(tparams, tokens, positions, docs, cfg=tcfg_model, dtype="float32")
 
     cached_aux, cached_hidden = jax.block_until_ready(features())
+    features_gflop = _gflop(jax.jit(features).lower())
     tcfgs = {
         d: TrainConfig(lr=1e-4, warmup_steps=1, total_steps=10_000, compute_dtype=d, objective=args.objective)
         for d in ("float32", "bfloat16")
@@ -193,6 +197,7 @@ def throughput(args) -> dict:
     states = {v: init_train_state(params, dcfg, tcfgs[v[1]]) for v in VARIANTS}
     times = {v: [] for v in VARIANTS}
     losses = {v: None for v in VARIANTS}
+    gflop = {v: None for v in VARIANTS}
     for r in range(args.rounds + 1):  # round 0 compiles
         batches = {
             path: _batch(r, K, cached_aux, cached_hidden, tokens, loss_mask, fast=path == "after")
@@ -214,6 +219,8 @@ def throughput(args) -> dict:
                 times[v].append(time.perf_counter() - t0)
             else:
                 losses[v] = float(m["loss"])
+                gflop[v] = _gflop(step.lower(states[v], batch0, head, embed, cfg=dcfg, tcfg=tcfgs[dtype], num_depths=K))
+                gflop[v] += features_gflop if mode == "online" else 0.0
     loss_tokens = int(loss_mask.sum())
     out = {
         "batch_size": B,
@@ -224,6 +231,9 @@ def throughput(args) -> dict:
         "objective": args.objective,
         "loss_fraction": loss_tokens / (B * T),
     }
+    elements = B * batches["after"].anchor_BY.shape[1]  # the fast step's: every layer's products run over them
+    out["product_shape"] = [elements, head.shape[1], args.draft_vocab]
+    out["product_gflops"] = {d: lone_product_gflops(*out["product_shape"], d) for d in ("float32", "bfloat16")}
     rows = []
     for v in VARIANTS:
         med = statistics.median(times[v])
@@ -236,11 +246,36 @@ def throughput(args) -> dict:
                 "step_s": med,
                 "loss_tokens_per_s": loss_tokens / med,
                 "vs_before": before / med,
+                "gflop": gflop[v],
+                "gflops": gflop[v] / med,
                 "first_loss": losses[v],
             }
         )
     out["rows"] = rows
     return out
+
+
+def _gflop(lowered) -> float:
+    """XLA's count of the floating-point operations (GFLOP) of a lowered computation, from its cost analysis
+    (every multiply and add of its products, and its elementwise operations)."""
+    return float(lowered.cost_analysis()["flops"]) / 1e9
+
+
+def lone_product_gflops(rows: int, d: int, u: int, dtype: str, repeats: int = 5) -> float:
+    """GFLOP/s of one product alone, of the LM head's shape over ``rows`` rows (``[rows, d] . [u, d]^T``, as
+    the step takes it: :func:`peagle_jax.ops.einsum_f32`, operands in ``dtype``, f32 result), the best of
+    ``repeats``: what the CPU's product kernel reaches with nothing around it, against which a step's
+    GFLOP/s reads as its utilisation."""
+    a = jnp.ones((rows, d), dtype)
+    b = jnp.ones((u, d), dtype)
+    product = jax.jit(lambda a, b: ops.einsum_f32("MD,UD->MU", a, b))
+    jax.block_until_ready(product(a, b))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(product(a, b))
+        best = min(best, time.perf_counter() - t0)
+    return 2 * rows * d * u / best / 1e9
 
 
 def parse_sweep(text: str) -> list[tuple[int, int, int, str]]:
@@ -289,6 +324,18 @@ def sweep(args, shapes: list[tuple[int, int, int, str]]) -> list[dict]:
             jax.block_until_ready(m["loss"])
             if r:
                 run["t"].append(time.perf_counter() - t0)
+            else:
+                run["gflop"] = _gflop(
+                    train_step.lower(
+                        run["state"],
+                        batch,
+                        embed[: run["shape"][1]],
+                        embed,
+                        cfg=run["dcfg"],
+                        tcfg=run["tcfg"],
+                        num_depths=K,
+                    )
+                )
     base = statistics.median(runs[0]["t"])
     return [
         {
@@ -300,6 +347,8 @@ def sweep(args, shapes: list[tuple[int, int, int, str]]) -> list[dict]:
             "step_s": statistics.median(run["t"]),
             "loss_tokens_per_s": int(loss_mask.sum()) / statistics.median(run["t"]),
             "vs_first": base / statistics.median(run["t"]),
+            "gflop": run["gflop"],
+            "gflops": run["gflop"] / statistics.median(run["t"]),
         }
         for run in runs
     ]
@@ -386,14 +435,14 @@ def main(argv=None) -> int:
             f"{args.dtype})\n"
         )
         print(
-            "| layers | draft vocab | K_train | objective | step | loss tokens/s | vs first |\n"
-            "|---|---|---|---|---|---|---|"
+            "| layers | draft vocab | K_train | objective | step | loss tokens/s | vs first | GFLOP | GFLOP/s |\n"
+            "|---|---|---|---|---|---|---|---|---|"
         )
         for row in rows:
             print(
                 f"| {row['layers']} | {row['draft_vocab']} | {row['k_train']} | {row['objective']} "
-                f"| {row['step_s'] * 1e3:.0f} ms "
-                f"| {row['loss_tokens_per_s']:.0f} | {row['vs_first']:.2f}x |"
+                f"| {row['step_s'] * 1e3:.0f} ms | {row['loss_tokens_per_s']:.0f} | {row['vs_first']:.2f}x "
+                f"| {row['gflop']:.1f} | {row['gflops']:.0f} |"
             )
         if args.json:
             with open(args.json, "w") as f:
@@ -405,12 +454,20 @@ def main(argv=None) -> int:
         f"## Training throughput (B={args.batch_size}, T={args.seq_len}, K_train={args.num_depths}, "
         f"U={args.draft_vocab}, {args.layers}-layer SmolLM2-sized drafter, {args.objective} objective)\n"
     )
-    print("| step | compute | features | step time | loss tokens/s | vs before |\n|---|---|---|---|---|---|")
+    print(
+        "| step | compute | features | step time | loss tokens/s | vs before | GFLOP | GFLOP/s |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
     for row in th["rows"]:
         print(
             f"| {row['path']} | {row['compute_dtype']} | {row['features']} | {row['step_s'] * 1e3:.0f} ms "
-            f"| {row['loss_tokens_per_s']:.0f} | {row['vs_before']:.2f}x |"
+            f"| {row['loss_tokens_per_s']:.0f} | {row['vs_before']:.2f}x | {row['gflop']:.0f} | {row['gflops']:.0f} |"
         )
+    (rows, d, u), lone = th["product_shape"], th["product_gflops"]
+    print(
+        f"\nA product of the LM head's shape alone ([{rows}, {d}] . [{u}, {d}]^T): "
+        f"{lone['float32']:.0f} GFLOP/s in float32, {lone['bfloat16']:.0f} in bfloat16."
+    )
     if not args.no_memory and args.objective == "peagle":
         res["memory"] = mem = memory(args)
         print(f"\n## Memory of one step at T={mem['seq_len']} ({mem['elements']} elements)\n")
