@@ -66,3 +66,36 @@ def test_curve_refuses_a_run_named_twice(tmp_path, capsys):
 
     assert main([str(tmp_path), str(tmp_path)]) == 2
     assert "named twice" in capsys.readouterr().err
+
+
+def test_a_reference_drafter_is_measured_on_the_same_answers(tmp_path, capsys):
+    # the run's one export is the shipped drafter itself, so the reference must measure exactly what it does
+    from peagle_jax.train import curve
+
+    run = _run(tmp_path, "smollm2-peagle", 2)
+    argv = [str(run), "--questions", "4", "--max-new-tokens", "8", "--reference", "smollm2-peagle"]
+    assert curve.main([*argv, "--reference", str(SHIPPED / "smollm2-eagle3")]) == 0
+    res = json.loads((run / "curve.json").read_text())
+    refs = res["references"]
+    assert list(refs) == ["smollm2-peagle", str(SHIPPED / "smollm2-eagle3")]
+    assert refs["smollm2-peagle"]["trees"] == res["points"][0]["trees"]
+    assert refs["smollm2-peagle"]["drafter_sha256"] != refs[str(SHIPPED / "smollm2-eagle3")]["drafter_sha256"]
+    out = capsys.readouterr().out
+    assert refs["smollm2-peagle"]["label"] == "shipped smollm2-peagle"
+    assert refs[str(SHIPPED / "smollm2-eagle3")]["label"] == "shipped smollm2-eagle3"
+    assert "| reference |" in out and "| shipped smollm2-peagle |" in out
+    assert curve.main(argv[:5]) == 0  # read again without references: none recorded
+    assert "references" not in json.loads((run / "curve.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("ref", "message"),
+    [("no-such-drafter", "no shipped drafter 'no-such-drafter'"), ("some/dir", "no drafter there")],
+)
+def test_a_bad_reference_is_refused_before_measuring(tmp_path, capsys, ref, message):
+    from peagle_jax.train import curve
+
+    run = _run(tmp_path, "smollm2-peagle", 2)
+    assert curve.main([str(run), "--reference", ref]) == 2
+    assert message in capsys.readouterr().err
+    assert not (run / "curve.json").exists()

@@ -2,7 +2,8 @@
 # The whole train/configs/smollm2-peagle.yaml study, every stage resumable (run it again after a stop):
 # regenerate the answers and build the feature cache, compare three drafter shapes for the same training
 # seconds, train the P-EAGLE drafter, then the EAGLE-3 baseline on the same data; a held-out MT-Bench
-# learning curve for each, and the shapes' curves and P-EAGLE's against EAGLE-3's on one plot each.
+# learning curve for each, and the shapes' curves and P-EAGLE's against EAGLE-3's on one plot each (the
+# latter with the shipped drafters measured on the same answers beside them).
 # usage: train/smollm2-peagle.sh [RUNS_DIR [KEY=VALUE ...]]   (default runs/)
 # KEY=VALUE overrides go to every train.py call after the stage's own, and $CURVE_ARGS to every learning
 # curve: a scaled-down trial of every stage, e.g.
@@ -33,4 +34,5 @@ python train/train.py --config $recipe --output "$runs/smollm2-eagle3-baseline" 
   optim.objective=eagle3 batch.num_depths=4 data.from_run="$main" "$@"
 python -m peagle_jax.train.curve "$runs/smollm2-eagle3-baseline" "${curve_args[@]}"
 python -m peagle_jax.train.curve "$main" "$runs/smollm2-eagle3-baseline" "${curve_args[@]}" \
+  --reference smollm2-peagle --reference smollm2-eagle3 \
   --json "$runs/curves-peagle-eagle3.json" --plot "$runs/curves-peagle-eagle3.png"

@@ -176,15 +176,32 @@ def measured(path: Path, run: Path, settings: dict) -> dict | None:
     return res if have == want else None
 
 
+def reference_dir(ref: str) -> Path:
+    """A ``--reference``: a drafter directory, or the name of a shipped drafter (``smollm2-peagle``)."""
+    from peagle_jax.drafter.shipped import shipped_drafter
+
+    path = Path(ref)
+    if (path / "config.json").is_file():
+        return path
+    if path.exists() or len(path.parts) > 1:
+        raise UserError(f"--reference {ref}: no drafter there (no config.json)")
+    return shipped_drafter(ref)  # its error names the shipped drafters
+
+
 def curves(runs: list[Path], *, json_paths: list[Path], model: str, questions_file=None, questions=None,
-           max_new_tokens=128, trees=DEFAULT_TREES) -> list[dict]:  # fmt: skip
+           max_new_tokens=128, trees=DEFAULT_TREES, references=()) -> tuple[list[dict], dict]:  # fmt: skip
     """Each run's curve, read from its ``json_paths`` entry where that measured the same drafters with the
-    same settings, else measured (the target's held-out answers computed once, on the first need)."""
+    same settings, else measured (the target's held-out answers computed once, on the first need); and each
+    of ``references`` (:func:`reference_dir`: e.g. the shipped drafters, to compare the runs with) measured on
+    the same answers and trees: ``{reference: {"label", "drafter", "drafter_sha256", "trees"}}`` (the label
+    of a shipped drafter: "shipped NAME")."""
     from peagle_jax.bench.trees import paths_of
+    from peagle_jax.drafter.shipped import SHIPPED_DIR
 
     kw = {"model": model, "questions_file": questions_file, "questions": questions, "max_new_tokens": max_new_tokens}
     settings = settings_of(**kw, trees=trees)
     K = max(max(map(len, paths_of(t))) for t in trees)
+    dirs = {ref: reference_dir(ref) for ref in references}  # refused before anything is measured
     target, out = None, []
     for run, path in zip(runs, json_paths, strict=True):
         exports_of(run)  # refused before any other run is measured
@@ -195,21 +212,30 @@ def curves(runs: list[Path], *, json_paths: list[Path], model: str, questions_fi
             res = curve(run, **kw, trees=trees, target=target)
         else:
             print(f"{run}: the curve in {path} measured these drafters; read", file=sys.stderr, flush=True)
-        out.append(res)
-    return out
+        out.append({k: v for k, v in res.items() if k != "references"})
+    refs = {}
+    for ref, d in dirs.items():
+        if target is None:
+            target = held_out_answers(model, questions_file, questions, max_new_tokens, K)
+        print(f"reference {ref}: {d}", file=sys.stderr, flush=True)
+        res = acceptance(target, d, trees, max_new_tokens=max_new_tokens)
+        label = f"shipped {d.resolve().name}" if d.resolve().parent == SHIPPED_DIR else ref
+        refs[ref] = {"label": label, "drafter": str(d), "drafter_sha256": drafter_digest(d), "trees": res}
+    return out, refs
 
 
 def tree_label(tree: str) -> str:
     return f"chain of {tree.count(',') + 1}" if set(tree) <= {"0", ","} else f"tree {tree}"
 
 
-def plot(res: dict, path: Path) -> None:
+def plot(res: dict, path: Path, references=None) -> None:
     """One run's curve: acceptance length per tree against training tokens."""
-    plot_runs([("", res)], path)
+    plot_runs([("", res)], path, references)
 
 
-def plot_runs(named: list[tuple[str, dict]], path: Path) -> None:
-    """``(name, curve)`` pairs on one plot: a colour per run, a line style per tree."""
+def plot_runs(named: list[tuple[str, dict]], path: Path, references=None) -> None:
+    """``(name, curve)`` pairs on one plot: a colour per run, a line style per tree; each of ``references``
+    (:func:`curves`) a horizontal line per tree in a grey of its own."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -224,6 +250,14 @@ def plot_runs(named: list[tuple[str, dict]], path: Path) -> None:
             label = f"{name}: {tree_label(t)}" if name else tree_label(t)
             ys = [p["trees"][t]["acceptance_length"] for p in pts]
             ax.plot([p["tokens"] for p in pts], ys, styles[j % len(styles)], color=f"C{i}", label=label)
+    lines = ("-", "--", ":", "-.")
+    for i, r in enumerate((references or {}).values()):
+        grey = str(0.2 + 0.5 * i / max(len(references) - 1, 1))
+        for j, t in enumerate(r["trees"]):
+            y = r["trees"][t]["acceptance_length"]
+            ax.axhline(
+                y, color=grey, linestyle=lines[j % len(lines)], linewidth=1, label=f"{r['label']}: {tree_label(t)}"
+            )
     ax.set_xscale("log")
     ax.set_xlabel("training loss tokens")
     ax.set_ylabel("acceptance length (held-out MT-Bench)")
@@ -232,6 +266,18 @@ def plot_runs(named: list[tuple[str, dict]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def references_markdown(references: dict) -> str:
+    """The references' acceptance lengths (and the first tree's accepted drafts per position) as a table."""
+    trees = list(next(iter(references.values()))["trees"]) if references else []
+    lines = ["| reference | " + " | ".join(f"AL `{t}`" for t in trees) + " | accepted per position (first tree) |"]
+    lines.append("|" + "---|" * (2 + len(trees)))
+    for r in references.values():
+        als = " | ".join(f"{r['trees'][t]['acceptance_length']:.3f}" for t in trees)
+        per = ", ".join(f"{x:.2f}" for x in r["trees"][trees[0]]["accepted_per_position"])
+        lines.append(f"| {r['label']} | {als} | {per} |")
+    return "\n".join(lines)
 
 
 def markdown(res: dict) -> str:
@@ -260,6 +306,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trees", default=";".join(DEFAULT_TREES), help="semicolon-separated trees (default: %(default)s)")
     p.add_argument("--json", help="one run: write its curve here (default RUN/curve.json); several: the combined curve")
     p.add_argument("--plot", help="one run: write its plot here (default RUN/curve.png); several: all runs on one plot")
+    p.add_argument(
+        "--reference",
+        action="append",
+        default=[],
+        metavar="DRAFTER",
+        help="a drafter to compare the runs with, measured on the same answers and trees: a drafter directory or "
+        "a shipped drafter's name (smollm2-peagle, smollm2-eagle3); a horizontal line per tree on the plot, "
+        "recorded under 'references' in the JSON; repeatable",
+    )
     return p
 
 
@@ -277,24 +332,32 @@ def main(argv=None) -> int:
         trees = [t.strip() for t in args.trees.split(";") if t.strip()]
         if not trees:
             raise UserError("--trees names no tree")
-        results = curves(runs, json_paths=json_paths, model=args.model, questions_file=args.questions_file,
-                         questions=args.questions or None, max_new_tokens=args.max_new_tokens, trees=trees)  # fmt: skip
+        if len(set(args.reference)) < len(args.reference):
+            raise UserError("a --reference is named twice")
+        results, refs = curves(runs, json_paths=json_paths, model=args.model, questions_file=args.questions_file,
+                               questions=args.questions or None, max_new_tokens=args.max_new_tokens, trees=trees,
+                               references=args.reference)  # fmt: skip
     except (UserError, ValueError) as e:
         return errors.report(e)
     for res, jp, pp in zip(results, json_paths, plot_paths, strict=True):
-        jp.write_text(json.dumps(res, indent=1))
-        plot(res, pp)
+        # one run: its curve file and plot carry the references; several: the combined ones do
+        jp.write_text(json.dumps({**res, "references": refs} if one and refs else res, indent=1))
+        plot(res, pp, refs if one else None)
+    ref_table = f"\n\n{references_markdown(refs)}" if refs else ""
     if one:
-        print(markdown(results[0]))
+        print(markdown(results[0]) + ref_table)
         return 0
     names = [str(r) for r in runs]
     if args.json:
-        Path(args.json).write_text(json.dumps({"runs": dict(zip(names, results, strict=True))}, indent=1))
+        combined = {"runs": dict(zip(names, results, strict=True)), **({"references": refs} if refs else {})}
+        Path(args.json).write_text(json.dumps(combined, indent=1))
     if args.plot:  # labelled by directory name where those differ
         labels = [r.name for r in runs] if len({r.name for r in runs}) == len(runs) else names
-        plot_runs(list(zip(labels, results, strict=True)), Path(args.plot))
+        plot_runs(list(zip(labels, results, strict=True)), Path(args.plot), refs)
     for name, res in zip(names, results, strict=True):
         print(f"### {name}\n\n{markdown(res)}\n")
+    if refs:
+        print(f"### References{ref_table}\n")
     return 0
 
 
