@@ -189,7 +189,11 @@ def throughput(args) -> dict:
         return target_features(tparams, tokens, positions, docs, cfg=tcfg_model, dtype="float32")
 
     cached_aux, cached_hidden = jax.block_until_ready(features())
-    features_gflop = _gflop(jax.jit(features).lower())
+    features_gflop = _gflop(
+        jax.jit(target_features, static_argnames=("cfg", "dtype")).lower(
+            tparams, tokens, positions, docs, cfg=tcfg_model, dtype="float32"
+        )
+    )
     tcfgs = {
         d: TrainConfig(lr=1e-4, warmup_steps=1, total_steps=10_000, compute_dtype=d, objective=args.objective)
         for d in ("float32", "bfloat16")

@@ -17,6 +17,8 @@ to ``RUN_DIR/curve.png`` (with one run, ``--json`` and ``--plot`` move them). Se
 plot: ``--json`` and ``--plot`` then name the combined curve, e.g. P-EAGLE against EAGLE-3 trained on the same
 data. The target answers the held-out questions once for all runs, and a run whose ``curve.json`` already
 measured the same drafters (by content) with the same settings is read rather than measured again.
+``--reference DRAFTER`` measures another drafter (a shipped one by name) on the same answers and trees, to read
+a run's drafters against it: a horizontal line per tree on the plot.
 """
 
 from __future__ import annotations
