@@ -14,14 +14,14 @@ from peagle_jax.bench import train as bench_train
 
 def test_sweep_times_both_objectives_side_by_side(tmp_path, capsys):
     out = tmp_path / "sweep.json"
-    argv = ["--sweep", "1:64:3,1:64:2:eagle3", "--batch-size", "1", "--seq-len", "256", "--rounds", "1"]
+    argv = ["--sweep", "1:64:3,1:64:2:eagle3", "--batch-size", "1", "--seq-len", "256", "--rounds", "1", "--block", "2"]
     assert bench_train.main([*argv, "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [(r["layers"], r["draft_vocab"], r["k_train"], r["objective"]) for r in rows] == [
         (1, 64, 3, "peagle"),
         (1, 64, 2, "eagle3"),
     ]
-    assert rows[0]["vs_first"] == 1.0
+    assert rows[0]["vs_first"] == 1.0 and all(r["block"] == 2 for r in rows)
     for r in rows:
         assert r["step_s"] > 0 and r["loss_tokens_per_s"] == pytest.approx(round(0.55 * 256) / r["step_s"])
         assert r["gflops"] == pytest.approx(r["gflop"] / r["step_s"])
@@ -44,3 +44,18 @@ def test_flop_count_is_xla_s_count_of_the_products():
     lowered = jax.jit(lambda a, b: a @ b).lower(jnp.ones((16, 32)), jnp.ones((32, 64)))
     assert bench_train._gflop(lowered) == pytest.approx(2 * 16 * 32 * 64 / 1e9)
     assert bench_train.lone_product_gflops(16, 32, 64, "bfloat16", repeats=2) > 0
+
+
+def test_a_block_times_every_step_but_the_first():
+    calls = []
+    times = bench_train.timed_block(lambda: calls.append(1), 3)
+    assert len(calls) == 3 and len(times) == 2 and all(t >= 0 for t in times)
+    calls.clear()
+    assert len(bench_train.timed_block(lambda: calls.append(1), 1)) == 1 and len(calls) == 1
+
+
+def test_a_block_of_no_steps_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench_train.main(["--block", "0"])
+    assert exit_.value.code == 2
+    assert "--block must be at least 1, got 0" in capsys.readouterr().err

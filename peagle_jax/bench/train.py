@@ -12,8 +12,11 @@ pipeline loads it) over each batch first (:func:`peagle_jax.train.features.targe
 :func:`reference_step`, the step as it was before the fast one (kept here, and used by the tests as the
 reference formulation): the drafter over a dense [Y, Y] element mask (EAGLE-3: each depth over a dense
 [T, K*T] mask), the target's logits per element (EAGLE-3: at every position), and bf16 products written in
-the operands' dtype (XLA's CPU computes those in f32). Rounds interleave every
-variant; medians of the step times are reported as loss tokens per second (positions in the loss per second).
+the operands' dtype (XLA's CPU computes those in f32). Each round runs every variant in turn, a block of
+``--block`` steps back to back, as a training run runs its steps (the first step of a block, which finds the
+buffers of the variant before it in the caches, is not timed); medians of the timed steps are reported as loss
+tokens per second (positions in the loss per second). ``--block 1`` times single steps of the variants
+interleaved, which slows the *before* step more than the *after* one (docs/bench/train/README.md).
 Each variant also gets XLA's count of its step's floating-point operations (GFLOP; *online* adds the target's
 forward) and the GFLOP/s it reaches, to read against a product of the LM head's shape timed alone (the rate
 the CPU's product kernel reaches with nothing around it); ``--sweep`` reports both for every shape.
@@ -210,19 +213,20 @@ def throughput(args) -> dict:
         for v in VARIANTS:
             path, dtype, mode = v
             step = reference_step if path == "before" else train_step
-            t0 = time.perf_counter()
             batch0 = batches[path]
-            if mode == "cached":
+
+            def one_step(v=v, step=step, batch0=batch0, mode=mode, dtype=dtype):
                 batch = batch0
-            else:
-                aux, hidden = features()
-                batch = batch0._replace(aux_BTX=aux, target_hidden_BTD=hidden)
-            states[v], m = step(states[v], batch, head, embed, cfg=dcfg, tcfg=tcfgs[dtype], num_depths=K)
-            jax.block_until_ready(m["loss"])
+                if mode == "online":
+                    aux, hidden = features()
+                    batch = batch0._replace(aux_BTX=aux, target_hidden_BTD=hidden)
+                states[v], m = step(states[v], batch, head, embed, cfg=dcfg, tcfg=tcfgs[dtype], num_depths=K)
+                return jax.block_until_ready(m["loss"])
+
             if r:
-                times[v].append(time.perf_counter() - t0)
+                times[v] += timed_block(one_step, args.block)
             else:
-                losses[v] = float(m["loss"])
+                losses[v] = float(one_step())
                 gflop[v] = _gflop(step.lower(states[v], batch0, head, embed, cfg=dcfg, tcfg=tcfgs[dtype], num_depths=K))
                 gflop[v] += features_gflop if mode == "online" else 0.0
     loss_tokens = int(loss_mask.sum())
@@ -233,6 +237,7 @@ def throughput(args) -> dict:
         "draft_vocab": args.draft_vocab,
         "layers": args.layers,
         "objective": args.objective,
+        "block": args.block,
         "loss_fraction": loss_tokens / (B * T),
     }
     elements = B * batches["after"].anchor_BY.shape[1]  # the fast step's: every layer's products run over them
@@ -257,6 +262,18 @@ def throughput(args) -> dict:
         )
     out["rows"] = rows
     return out
+
+
+def timed_block(one_step, block: int) -> list[float]:
+    """Seconds of each timed step of a block of ``block`` calls of ``one_step`` back to back: all but the
+    first, or the one call of a block of 1."""
+    times = []
+    for i in range(block):
+        t0 = time.perf_counter()
+        one_step()
+        if i or block == 1:
+            times.append(time.perf_counter() - t0)
+    return times
 
 
 def _gflop(lowered) -> float:
@@ -301,9 +318,9 @@ def parse_sweep(text: str) -> list[tuple[int, int, int, str]]:
 
 def sweep(args, shapes: list[tuple[int, int, int, str]]) -> list[dict]:
     """Cached-feature loss tokens/s of the fast step for each ``(layers, draft_vocab, K_train, objective)`` of
-    ``shapes`` (:func:`parse_sweep` of ``--sweep``; compute dtype ``--dtype``), side by side (rounds alternate
-    the shapes): the cost side of choosing the drafter's shape, or the objective; multiply by the accuracy a
-    shape reaches for accuracy per training second."""
+    ``shapes`` (:func:`parse_sweep` of ``--sweep``; compute dtype ``--dtype``), side by side (each round runs a
+    ``--block`` of steps of every shape in turn): the cost side of choosing the drafter's shape, or the
+    objective; multiply by the accuracy a shape reaches for accuracy per training second."""
     B, T = args.batch_size, args.seq_len
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 49152, (B, T)).astype(np.int32)
@@ -321,14 +338,18 @@ def sweep(args, shapes: list[tuple[int, int, int, str]]) -> list[dict]:
         for run in runs:
             K = run["shape"][2]
             batch = _batch(r, K, aux, hidden, tokens, loss_mask, fast=True)
-            t0 = time.perf_counter()
-            run["state"], m = train_step(
-                run["state"], batch, embed[: run["shape"][1]], embed, cfg=run["dcfg"], tcfg=run["tcfg"], num_depths=K
-            )
-            jax.block_until_ready(m["loss"])
+
+            def one_step(run=run, batch=batch, K=K):
+                head = embed[: run["shape"][1]]
+                run["state"], m = train_step(
+                    run["state"], batch, head, embed, cfg=run["dcfg"], tcfg=run["tcfg"], num_depths=K
+                )
+                return jax.block_until_ready(m["loss"])
+
             if r:
-                run["t"].append(time.perf_counter() - t0)
+                run["t"] += timed_block(one_step, args.block)
             else:
+                one_step()
                 run["gflop"] = _gflop(
                     train_step.lower(
                         run["state"],
@@ -348,6 +369,7 @@ def sweep(args, shapes: list[tuple[int, int, int, str]]) -> list[dict]:
             "k_train": run["shape"][2],
             "objective": run["shape"][3],
             "compute_dtype": args.dtype,
+            "block": args.block,
             "step_s": statistics.median(run["t"]),
             "loss_tokens_per_s": int(loss_mask.sum()) / statistics.median(run["t"]),
             "vs_first": base / statistics.median(run["t"]),
@@ -399,6 +421,13 @@ def build_parser() -> argparse.ArgumentParser:
         "train/configs/smollm2-peagle.yaml's regenerated data; 1 = every position)",
     )
     p.add_argument("--rounds", type=int, default=3, help="timed rounds per variant; medians (default 3)")
+    p.add_argument(
+        "--block",
+        type=int,
+        default=3,
+        help="steps of a variant back to back in each round, the first untimed (default 3; 1: single timed "
+        "steps, the variants interleaved)",
+    )
     p.add_argument("--long-seq-len", type=int, default=2048, help="positions for the memory analysis (default 2048)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory analysis (P-EAGLE only)")
     p.add_argument(
@@ -428,6 +457,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.loss_fraction <= 1:
         parser.error(f"--loss-fraction must be in (0, 1], got {args.loss_fraction}")
+    if args.block < 1:
+        parser.error(f"--block must be at least 1, got {args.block}")
     if args.sweep:
         try:
             shapes = parse_sweep(args.sweep)
