@@ -16,15 +16,15 @@ recipe=train/configs/smollm2-peagle.yaml
 main=$runs/smollm2-peagle
 read -r -a curve_args <<<"${CURVE_ARGS:-}"
 python train/train.py --config $recipe --output "$main" --until features "$@"
-# name, steps (in the ratio of the step times in docs/bench/train/sweep.json), overrides
+# name, steps (in the ratio of the fp32 step times in docs/bench/train/sweep-shapes-fp32.json), overrides
 while read -r name steps overrides; do
   python train/train.py --config $recipe --output "$runs/shapes/$name" data.from_run="$main" \
     optim.total_steps="$steps" run.export_steps=$((steps / 2)) $overrides "$@"
   python -m peagle_jax.train.curve "$runs/shapes/$name" "${curve_args[@]}"
 done <<'SHAPES'
 layers2-vocab8192 1800
-layers1-vocab8192 2565 drafter.num_layers=1
-layers2-vocab4096 2240 drafter.draft_vocab_size=4096
+layers1-vocab8192 2661 drafter.num_layers=1
+layers2-vocab4096 2310 drafter.draft_vocab_size=4096
 SHAPES
 python -m peagle_jax.train.curve "$runs"/shapes/*/ "${curve_args[@]}" --json "$runs/shapes/curves.json" \
   --plot "$runs/shapes/curves.png"
