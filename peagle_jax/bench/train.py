@@ -13,8 +13,8 @@ pipeline loads it) over each batch first (:func:`peagle_jax.train.features.targe
 reference formulation): the drafter over a dense [Y, Y] element mask (EAGLE-3: each depth over a dense
 [T, K*T] mask), the target's logits per element (EAGLE-3: at every position), and bf16 products written in
 the operands' dtype (XLA's CPU computes those in f32). Each round runs every variant in turn, a block of
-``--block`` steps back to back, as a training run runs its steps (the first step of a block, which finds the
-buffers of the variant before it in the caches, is not timed); medians of the timed steps are reported as loss
+``--block`` steps back to back, as a training run runs its steps (the first step of a block, which follows a
+step of another variant, is not timed); medians of the timed steps are reported as loss
 tokens per second (positions in the loss per second). ``--block 1`` times single steps of the variants
 interleaved, which slows the *before* step more than the *after* one (docs/bench/train/README.md).
 Each variant also gets XLA's count of its step's floating-point operations (GFLOP; *online* adds the target's
