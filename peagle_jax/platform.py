@@ -111,9 +111,9 @@ def neuronx_cc_precision_args(dtype: str) -> list[str]:
 
 
 def configure_caches(compilation_cache: str | Path | None, platform: str, dtype: str | None = None) -> None:
-    """JAX's persistent compilation cache (None disables it) and, on Neuron, the compiler's cache and the
-    flags that keep a float32 run's products in float32 (:func:`neuron_cc_flags`; ``dtype`` None: no
-    precision flag)."""
+    """JAX's persistent compilation cache (None disables it, also one that ``$JAX_COMPILATION_CACHE_DIR``
+    names) and, on Neuron, the compiler's cache and the flags that keep a float32 run's products in float32
+    (:func:`neuron_cc_flags`; ``dtype`` None: no precision flag)."""
     import jax
 
     from peagle_jax import executables
@@ -121,10 +121,13 @@ def configure_caches(compilation_cache: str | Path | None, platform: str, dtype:
     if compilation_cache is not None:
         path = Path(compilation_cache).expanduser()
         path.mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_enable_compilation_cache", True)
         jax.config.update("jax_compilation_cache_dir", str(path))
         # Every graph, however quick to compile (JAX's default keeps those over 1 s only): a restart then
         # compiles nothing, where it would recompile the small drafter and context graphs each time.
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    else:  # none: every graph compiles afresh, even where $JAX_COMPILATION_CACHE_DIR names a cache
+        jax.config.update("jax_enable_compilation_cache", False)
     # the decoding graphs' executables beside it, found at a restart without tracing (peagle_jax.executables)
     executables.configure(None if compilation_cache is None else path / EXECUTABLES)
     if platform == "neuron":

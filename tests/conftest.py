@@ -1,11 +1,45 @@
-"""Shared fixtures: random tiny Hugging Face models written with ``save_pretrained``."""
+"""Shared fixtures: random tiny Hugging Face models written with ``save_pretrained``; one JAX compilation
+cache for the whole run."""
 
 from __future__ import annotations
+
+import os
+import shutil
+import tempfile
 
 import jax
 import pytest
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# The run's compilation cache: made by the first pytest process, found by its xdist workers here.
+RUN_CACHE = "PEAGLE_JAX_TEST_COMPILATION_CACHE"
+# Bounded, so that JAX takes a file lock around each read and write: the two workers and the processes the
+# tests start share the cache, and without the lock one could read an entry another is still writing.
+RUN_CACHE_BYTES = 8 << 30
+_OWNED = pytest.StashKey[str]()  # the directory this process made, removed at its end
+
+
+def pytest_configure(config):
+    """One persistent compilation cache for the test run, in this process, its xdist workers and every
+    process a test starts (through JAX's environment variables): a graph that several tests compile (the
+    tiny models', a training step in each of a recipe's runs) compiles once. The graphs are the same as
+    compiled afresh; tests that need a cold start give their own cache directory or ``--compilation-cache
+    none``, and the no-recompile tests count a function's compiled entries, which a cache hit adds too."""
+    path = os.environ.get(RUN_CACHE)
+    if path is None:
+        path = os.environ[RUN_CACHE] = tempfile.mkdtemp(prefix="peagle-jax-test-cache-")
+        config.stash[_OWNED] = path
+    settings = {"compilation_cache_dir": path, "persistent_cache_min_compile_time_secs": 0}
+    settings["compilation_cache_max_size"] = RUN_CACHE_BYTES
+    for name, value in settings.items():
+        os.environ[f"JAX_{name.upper()}"] = str(value)
+        jax.config.update(f"jax_{name}", value)
+
+
+def pytest_unconfigure(config):
+    if path := config.stash.get(_OWNED, None):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -47,6 +47,28 @@ def test_cpu_selects_the_backend_and_the_compilation_cache(tmp_path):
     assert (tmp_path / "jc").is_dir()
 
 
+def test_none_disables_a_cache_the_environment_names(tmp_path):
+    """``--compilation-cache none`` compiles afresh even where ``$JAX_COMPILATION_CACHE_DIR`` names a cache
+    (the test suite sets one, tests/conftest.py), which a process that does not select a cache writes to;
+    a directory given is used instead."""
+    code = (
+        "import sys, jax, jax.numpy as jnp\n"
+        "from peagle_jax.platform import select_platform\n"
+        "if sys.argv[1] != 'unset':\n"
+        "    select_platform('cpu', compilation_cache=None if sys.argv[1] == 'none' else sys.argv[1])\n"
+        "jax.jit(lambda x: x * 3 + 1)(jnp.ones(5)).block_until_ready()\n"
+    )
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "env"), "JAX_PLATFORMS": "cpu"}
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    written = {}
+    for arg in ("none", str(tmp_path / "given"), "unset"):
+        r = subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 0, r.stderr
+        written[arg] = [p.name for p in (tmp_path / "env").glob("jit__lambda-*-cache")]
+    assert written["none"] == written[str(tmp_path / "given")] == [] and len(written["unset"]) == 1
+    assert len(list((tmp_path / "given").glob("jit__lambda-*-cache"))) == 1
+
+
 def test_neuron_compile_cache_environment(tmp_path, monkeypatch):
     from peagle_jax.platform import configure_caches
 
