@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--compilation-cache",
         default=None,
         help="JAX persistent compilation cache directory, with the decoding graphs' executables in its executables/ "
-        "(a rerun loads them untraced), or 'none' to disable both (default ~/.cache/peagle_jax/jax-cache)",
+        "(a rerun loads them untraced), or 'none' to disable both (default $JAX_COMPILATION_CACHE_DIR, else "
+        "~/.cache/peagle_jax/jax-cache)",
     )
     p.add_argument(
         "--tp",
@@ -159,12 +160,9 @@ def encode_prompt(args, tokenizer) -> list[int]:
 
 
 def run(args) -> dict:
-    from peagle_jax.platform import default_cache_dir, select_platform
+    from peagle_jax.platform import chosen_cache, select_platform
 
-    cache = args.compilation_cache or default_cache_dir()
-    devices = select_platform(
-        args.platform, compilation_cache=None if str(cache) == "none" else cache, dtype=args.dtype
-    )
+    devices = select_platform(args.platform, compilation_cache=chosen_cache(args.compilation_cache), dtype=args.dtype)
     mesh = None
     if args.tp != 1:
         from peagle_jax.sharding import make_mesh

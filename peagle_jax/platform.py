@@ -8,7 +8,8 @@ finds no device, the error says that too.
 Caches, so that a restart does not recompile (minutes per graph under neuronx-cc):
 
 - JAX's persistent compilation cache (``jax_compilation_cache_dir``), default
-  ``~/.cache/peagle_jax/jax-cache`` (:func:`default_cache_dir`), on every platform. jax-neuronx supports
+  ``$JAX_COMPILATION_CACHE_DIR`` or else ``~/.cache/peagle_jax/jax-cache`` (:func:`default_cache_dir`), on
+  every platform, for decoding and training alike. jax-neuronx supports
   JAX's caching API (its 0.1.2 release notes), so on Neuron it holds the compiled NEFF executables.
 - Beside it, in its ``executables/`` folder, the decoding graphs' executables keyed by their arguments
   (:mod:`peagle_jax.executables`): a restart loads them without tracing or lowering a graph.
@@ -62,7 +63,18 @@ def cache_root() -> Path:
 
 
 def default_cache_dir() -> Path:
-    return cache_root() / "jax-cache"
+    """``$JAX_COMPILATION_CACHE_DIR`` where the environment names one (JAX's own variable), else
+    ``<cache root>/jax-cache``."""
+    named = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    return Path(named).expanduser() if named else cache_root() / "jax-cache"
+
+
+def chosen_cache(value: str | Path | None) -> Path | None:
+    """The compilation cache a ``--compilation-cache`` (or ``run.compilation_cache``) value names: the
+    default (:func:`default_cache_dir`) for None or an empty value, no cache for ``none``, else that directory."""
+    if value is None or str(value) == "":
+        return default_cache_dir()
+    return None if str(value) == "none" else Path(value).expanduser()
 
 
 def default_neuron_cache_dir() -> Path:
@@ -110,26 +122,34 @@ def neuronx_cc_precision_args(dtype: str) -> list[str]:
     return ["--auto-cast", "none"] if dtype == "float32" else []
 
 
+def configure_jax_cache(compilation_cache: str | Path | None) -> Path | None:
+    """Point JAX's persistent compilation cache at ``compilation_cache`` (made if missing), or disable it
+    (None), also one that ``$JAX_COMPILATION_CACHE_DIR`` names; returns the directory. Takes effect only
+    before the process compiles its first graph (JAX fixes the directory then)."""
+    import jax
+
+    if compilation_cache is None:  # every graph compiles afresh
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    path = Path(compilation_cache).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    # Every graph, however quick to compile (JAX's default keeps those over 1 s only): a restart then
+    # compiles nothing, where it would recompile the small drafter and context graphs each time.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return path
+
+
 def configure_caches(compilation_cache: str | Path | None, platform: str, dtype: str | None = None) -> None:
     """JAX's persistent compilation cache (None disables it, also one that ``$JAX_COMPILATION_CACHE_DIR``
     names) and, on Neuron, the compiler's cache and the flags that keep a float32 run's products in float32
     (:func:`neuron_cc_flags`; ``dtype`` None: no precision flag)."""
-    import jax
-
     from peagle_jax import executables
 
-    if compilation_cache is not None:
-        path = Path(compilation_cache).expanduser()
-        path.mkdir(parents=True, exist_ok=True)
-        jax.config.update("jax_enable_compilation_cache", True)
-        jax.config.update("jax_compilation_cache_dir", str(path))
-        # Every graph, however quick to compile (JAX's default keeps those over 1 s only): a restart then
-        # compiles nothing, where it would recompile the small drafter and context graphs each time.
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    else:  # none: every graph compiles afresh, even where $JAX_COMPILATION_CACHE_DIR names a cache
-        jax.config.update("jax_enable_compilation_cache", False)
+    path = configure_jax_cache(compilation_cache)
     # the decoding graphs' executables beside it, found at a restart without tracing (peagle_jax.executables)
-    executables.configure(None if compilation_cache is None else path / EXECUTABLES)
+    executables.configure(None if path is None else path / EXECUTABLES)
     if platform == "neuron":
         neuron_cache = os.environ.setdefault("NEURON_COMPILE_CACHE_URL", str(default_neuron_cache_dir()))
         flags = os.environ.get("NEURON_CC_FLAGS")

@@ -69,6 +69,19 @@ def test_none_disables_a_cache_the_environment_names(tmp_path):
     assert len(list((tmp_path / "given").glob("jit__lambda-*-cache"))) == 1
 
 
+def test_the_default_cache_is_the_one_the_environment_names(tmp_path, monkeypatch):
+    """No ``--compilation-cache`` (or ``run.compilation_cache``): ``$JAX_COMPILATION_CACHE_DIR`` where set,
+    else the cache root's ``jax-cache``; ``none`` is no cache and a path is itself."""
+    from peagle_jax.platform import chosen_cache, default_cache_dir
+
+    monkeypatch.setenv("PEAGLE_JAX_CACHE", str(tmp_path / "root"))
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    assert chosen_cache(None) == chosen_cache("") == default_cache_dir() == tmp_path / "root" / "jax-cache"
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "named"))
+    assert chosen_cache(None) == chosen_cache("") == tmp_path / "named"
+    assert chosen_cache("none") is None and chosen_cache(str(tmp_path / "given")) == tmp_path / "given"
+
+
 def test_neuron_compile_cache_environment(tmp_path, monkeypatch):
     from peagle_jax.platform import configure_caches
 

@@ -5,6 +5,8 @@ fixed by conversation, packing in log time, continuous-batching regeneration, se
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -367,14 +369,21 @@ def test_a_feature_cache_build_stops_cleanly_on_a_full_disk(tmp_path, monkeypatc
 
 def test_regeneration_workers_write_the_shards_one_process_writes(tmp_path):
     """``data.regen_workers=2``: two processes, each on its own core and every other shard of every pass,
-    write the same shards as one process (fp32); a worker that fails ends the run with one line."""
+    write the same shards as one process (fp32), and compile into the run's compilation cache; a worker
+    that fails ends the run with one line."""
     from peagle_jax.train.cli import main
     from peagle_jax.train.regen_workers import core_shares, regenerate_in_workers
 
     common = ["--config", "train/configs/tiny.yaml", "data.max_prompts=10", "data.shard_size=3", "data.regen_slots=4"]
     common += ["data.extra_temperatures=1.0", "--until", "data", "run.progress=false"]
-    for name, workers in (("one", 1), ("two", 2)):
-        main([*common, "--output", str(tmp_path / name), f"data.regen_workers={workers}"])
+    main([*common, "--output", str(tmp_path / "one")])
+    # In a process of its own, whose compilation cache the test chooses (JAX fixes it at the first compile).
+    cache = tmp_path / "jax-cache"
+    two = [*common, "--output", str(tmp_path / "two"), "data.regen_workers=2", f"run.compilation_cache={cache}"]
+    proc = subprocess.run([sys.executable, "train/train.py", *two], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Only the workers decode (the run's own process finds every shard answered).
+    assert any(p.name.startswith("jit_decode_step-") for p in cache.iterdir())
     for d in ("regen", "regen-t1"):
         one, two = (sorted((tmp_path / name / d).glob("shard-*.jsonl")) for name in ("one", "two"))
         assert [p.name for p in one] == [p.name for p in two] and len(one) == 4
@@ -390,8 +399,5 @@ def test_regeneration_workers_write_the_shards_one_process_writes(tmp_path):
 
 
 def test_a_regeneration_worker_ends_with_the_process_that_started_it():
-    import subprocess
-    import sys
-
     code = "import time; from peagle_jax.train.regen_workers import _exit_with_parent as e; e(-1); time.sleep(60)"
     assert subprocess.run([sys.executable, "-c", code], timeout=30).returncode == 1  # its parent is not -1

@@ -4,6 +4,7 @@ drafter in ``generate --drafter``, and the recipe's YAML sections and errors."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,11 +31,19 @@ def _generate(*args):
 
 @pytest.mark.slow
 def test_tiny_recipe_end_to_end_and_resume(tmp_path):
-    out = tmp_path / "run"
+    out, cache = tmp_path / "run", tmp_path / "jax-cache"
     proc = _run(
-        "train/train.py", "--config", str(TINY), "--output", str(out), "optim.total_steps=30", "run.progress=false"
+        "train/train.py",
+        "--config",
+        str(TINY),
+        "--output",
+        str(out),
+        "optim.total_steps=30",
+        "run.progress=false",
+        f"run.compilation_cache={cache}",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(rf"compilation cache {re.escape(str(cache))}: \d+ graphs loaded, [1-9]\d* compiled", proc.stderr)
     assert "regenerated:" in proc.stderr and "draft vocab:" in proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 30
@@ -56,9 +65,12 @@ def test_tiny_recipe_end_to_end_and_resume(tmp_path):
         str(part),
         "optim.total_steps=30",
         "run.progress=false",
+        f"run.compilation_cache={cache}",
     )
     proc = _run(*args, "run.stop_after=12")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # The same recipe's graphs come from the first run's compilation cache, not compiled again.
+    assert int(re.search(r"compilation cache .*: (\d+) graphs loaded", proc.stderr)[1]) > 0
     # As a run killed after step 14 leaves them: rows past its last checkpoint, redone on resume, not repeated.
     with open(part / "metrics.jsonl", "a") as f:
         f.writelines(json.dumps({"step": s, "loss": 999.0}) + "\n" for s in (12, 13, 14))

@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--compilation-cache",
         help="JAX persistent compilation cache directory, with the decoding graphs' executables in its executables/ "
         "(a restart loads them untraced), or 'none' to disable both (default: MODEL/jax-cache when the model "
-        "directory brings one, see --warmup-only; else ~/.cache/peagle_jax/jax-cache)",
+        "directory brings one, see --warmup-only; else $JAX_COMPILATION_CACHE_DIR; else ~/.cache/peagle_jax/jax-cache)",
     )
     p.add_argument(
         "--warmup-only",
@@ -181,13 +181,12 @@ def select_platform(
     directory's own ``jax-cache`` (its compiled graphs, :func:`peagle_jax.platform.artifact_cache`) comes
     first, then the default; ``dtype`` chooses the Neuron compiler's casting (float32 keeps float32).
     Returns the cache directory used (None: disabled)."""
-    from peagle_jax.platform import artifact_cache, default_cache_dir
+    from peagle_jax.platform import artifact_cache, chosen_cache
     from peagle_jax.platform import select_platform as select
 
-    cache = compilation_cache or (model and model != "smollm2" and artifact_cache(model)) or default_cache_dir()
-    cache = None if str(cache) == "none" else str(cache)
+    cache = chosen_cache(compilation_cache or (model and model != "smollm2" and artifact_cache(model)) or None)
     select(platform, compilation_cache=cache, dtype=dtype)
-    return cache
+    return None if cache is None else str(cache)
 
 
 def resolve(args) -> argparse.Namespace:

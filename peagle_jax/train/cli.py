@@ -7,6 +7,7 @@ from pathlib import Path
 
 from peagle_jax.errors import ArgumentParser, UserError, check_output_dir, report
 from peagle_jax.models.config import ConfigError
+from peagle_jax.platform import compilation_cache_counts
 
 
 def build_parser() -> ArgumentParser:
@@ -67,6 +68,20 @@ def preflight(recipe, output: str) -> None:
         meshlib.check_batch_size(recipe.batch.batch_size, mesh)
 
 
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def use_compilation_cache(recipe) -> Path | None:
+    """Point JAX's persistent compilation cache at ``run.compilation_cache`` (the default, a directory or
+    none) and count its lookups; returns the directory (None: no cache)."""
+    from peagle_jax.platform import chosen_cache, configure_jax_cache, count_cache_lookups
+
+    cache = configure_jax_cache(chosen_cache(recipe.run.compilation_cache))
+    count_cache_lookups()
+    return cache
+
+
 def parse_args(argv=None):
     """The command line: options and recipe overrides in any order (``--config X a.b=1 --output DIR c.d=2``)."""
     return build_parser().parse_intermixed_args(argv)
@@ -81,9 +96,13 @@ def main(argv=None) -> None:
     try:
         recipe = load_recipe(args.config, args.overrides)
         preflight(recipe, args.output)
-        summary = run(recipe, args.output, log=lambda msg: print(msg, file=sys.stderr, flush=True), until=args.until)
+        cache = use_compilation_cache(recipe)
+        summary = run(recipe, args.output, log=_log, until=args.until)
     except (UserError, ValueError) as e:
         sys.exit(report(e))
+    if cache is not None:
+        counts = compilation_cache_counts()
+        _log(f"compilation cache {cache}: {counts['hits']} graphs loaded, {counts['misses']} compiled")
     if "stage" in summary:
         print(f"done: stopped after the {summary['stage']} stage in {args.output}")
         return

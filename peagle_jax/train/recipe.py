@@ -300,7 +300,10 @@ class RunConfig:
     steps; TensorBoard events when ``tensorboard``; ``export_layout``: ``speculators`` or ``eagle``;
     ``stop_after`` N > 0 stops this invocation after N steps (checkpointed and exported; the next invocation
     continues), e.g. for preemptible machines. ``export_steps``: comma-separated steps after which the drafter
-    is also exported to ``drafters/step-N`` (the points of :mod:`peagle_jax.train.curve`)."""
+    is also exported to ``drafters/step-N`` (the points of :mod:`peagle_jax.train.curve`).
+    ``compilation_cache``: JAX's persistent compilation cache, which ``train/train.py`` and its regeneration
+    workers use (:func:`peagle_jax.platform.chosen_cache`: empty for the default, ``none`` for none), so
+    that a resumed run loads its compiled graphs."""
 
     eval_fraction: float = 0.05
     eval_every: int = 100
@@ -311,6 +314,7 @@ class RunConfig:
     progress: bool = True
     stop_after: int = 0
     export_steps: str = ""
+    compilation_cache: str = ""
 
     @property
     def export_at(self) -> frozenset[int]:

@@ -50,9 +50,11 @@ def _work(recipe, out: str, source: str, prompt_ids, conversations, stops, worke
     if cores is not None:
         os.sched_setaffinity(0, cores)  # before JAX starts its CPU client, whose threads then stay on them
     from peagle_jax.checkpoint import cast_floats, load_target_any
+    from peagle_jax.platform import chosen_cache, configure_jax_cache
     from peagle_jax.train.pipeline import regen_dir, regen_generator
     from peagle_jax.train.regen import regenerate
 
+    configure_jax_cache(chosen_cache(recipe.run.compilation_cache))  # a resumed run's workers load their graphs
     dc = recipe.data
     cfg, params = load_target_any(source)
     if recipe.target.dtype != cfg.dtype:
