@@ -13,6 +13,21 @@ import pytest
 from peagle_jax.platform import NEURON_PIP, plugin_installed
 
 
+@pytest.fixture(autouse=True)
+def _keep_the_run_s_caches():
+    """Tests here call ``configure_caches(None, ...)`` in the test process, which turns JAX's compilation cache
+    and the executables' store off: both are set back for the tests that follow in this process."""
+    import jax
+
+    from peagle_jax import executables
+
+    enabled, store = jax.config.jax_enable_compilation_cache, executables.store()
+    yield
+    jax.config.update("jax_enable_compilation_cache", enabled)
+    if executables.store() != store:
+        executables.configure(store)
+
+
 def python(code: str, **env) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}, timeout=120
