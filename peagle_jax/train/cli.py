@@ -88,7 +88,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> None:
-    """Run (or resume) the recipe; a bad flag, recipe or input exits with status 2 and one ``error:`` line."""
+    """Run (or resume) the recipe; a bad flag, recipe or input exits with status 2 and one ``error:`` line, a
+    run stopped by SIGTERM with status 143 once its checkpoint is saved (:mod:`peagle_jax.train.preemption`)."""
     args = parse_args(argv)
     from peagle_jax.train.pipeline import run
     from peagle_jax.train.recipe import load_recipe
@@ -100,9 +101,15 @@ def main(argv=None) -> None:
         summary = run(recipe, args.output, log=_log, until=args.until)
     except (UserError, ValueError) as e:
         sys.exit(report(e))
-    if cache is not None:
+    from peagle_jax.train.mesh import is_primary
+
+    if cache is not None and is_primary():  # JAX writes it from process 0 only (the others count no lookups)
         counts = compilation_cache_counts()
         _log(f"compilation cache {cache}: {counts['hits']} graphs loaded, {counts['misses']} compiled")
+    if "preempted" in summary:  # checkpointed at that step; a scheduler sees a run that did not finish
+        from peagle_jax.train.preemption import EXIT_STATUS
+
+        sys.exit(EXIT_STATUS)
     if "stage" in summary:
         print(f"done: stopped after the {summary['stage']} stage in {args.output}")
         return

@@ -44,6 +44,7 @@ from peagle_jax.train.loop import (
     truncate_jsonl,
 )
 from peagle_jax.train.pack import concat_rows, conversation, pack, packing_stats
+from peagle_jax.train.preemption import Preemption
 from peagle_jax.train.prompts import DataError, load_prompt_items
 from peagle_jax.train.recipe import Recipe, recipe_dict
 from peagle_jax.train.regen import cached_prompt_ids, chat_prompt_ids, fitted_prompt_ids, read_shards, regenerate
@@ -430,44 +431,57 @@ def run(recipe: Recipe, output: str | Path, *, log=print, until: str = "train") 
     end = tcfg.total_steps if not recipe.run.stop_after else min(tcfg.total_steps, first + recipe.run.stop_after)
     lazy, pos = jax.process_count() > 1, int(state.data_pos)  # the data position of step `first`
     batch = train.batch_at(pos, lazy_features=lazy) if first < end else None
-    for step in range(first, end):
-        state, metrics = step_fn(state, meshlib.global_batch(batch, mesh), head, embed)
-        step_tokens = int(np.asarray(batch.loss_mask_BT).sum())
-        tokens += step_tokens
-        if step + 1 < end:  # the next batch is built on the host while the device runs this step
-            batch = train.batch_at(pos + step + 1 - first, lazy_features=lazy)
-        record = summarize(metrics, step)
-        record["loss_tokens"] = step_tokens
-        if primary:
-            append_jsonl(out / "metrics.jsonl", record)
-        _log_tb(writer, "train", record, step)
-        if step % recipe.run.log_every == 0:
-            bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=_fmt(record["acc_K"][0]))
-        last = step + 1 == end
-        if held is not None and ((step + 1) % recipe.run.eval_every == 0 or last):
-            eval_record = evaluate(
-                state,
-                held,
-                head,
-                embed,
-                dcfg=dcfg,
-                tcfg=tcfg,
-                K=K,
-                batches=min(recipe.run.eval_batches, held.steps_per_epoch),
-                mesh=mesh,
-            )
+    preemption, stopped = Preemption(manager), None
+    with preemption:
+        for step in range(first, end):
+            state, metrics = step_fn(state, meshlib.global_batch(batch, mesh), head, embed)
+            step_tokens = int(np.asarray(batch.loss_mask_BT).sum())
+            tokens += step_tokens
+            if step + 1 < end:  # the next batch is built on the host while the device runs this step
+                batch = train.batch_at(pos + step + 1 - first, lazy_features=lazy)
+            record = summarize(metrics, step)
+            record["loss_tokens"] = step_tokens
             if primary:
-                append_jsonl(out / "eval.jsonl", eval_record)
-            _log_tb(writer, "eval", eval_record, step + 1)
-        # Saved after the evaluation: a checkpoint at a step means its evaluation is on record, so a run killed
-        # between the two redoes both rather than resuming past an evaluation it never wrote.
-        save_state(manager, state)
-        if step + 1 in recipe.run.export_at:
-            milestone = meshlib.host_tree(state.params)
-            if primary:
-                save_drafter(out / "drafters" / f"step-{step + 1}", dcfg, milestone, layout=recipe.run.export_layout)
-        bar.update(1)
+                append_jsonl(out / "metrics.jsonl", record)
+            _log_tb(writer, "train", record, step)
+            if step % recipe.run.log_every == 0:
+                bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=_fmt(record["acc_K"][0]))
+            last = step + 1 == end
+            if held is not None and ((step + 1) % recipe.run.eval_every == 0 or last):
+                eval_record = evaluate(
+                    state,
+                    held,
+                    head,
+                    embed,
+                    dcfg=dcfg,
+                    tcfg=tcfg,
+                    K=K,
+                    batches=min(recipe.run.eval_batches, held.steps_per_epoch),
+                    mesh=mesh,
+                )
+                if primary:
+                    append_jsonl(out / "eval.jsonl", eval_record)
+                _log_tb(writer, "eval", eval_record, step + 1)
+            # Saved after the evaluation: a checkpoint at a step means its evaluation is on record, so a run
+            # killed between the two redoes both rather than resuming past an evaluation it never wrote.
+            save_state(manager, state)
+            if step + 1 in recipe.run.export_at:
+                milestone = meshlib.host_tree(state.params)
+                if primary:
+                    where = out / "drafters" / f"step-{step + 1}"
+                    save_drafter(where, dcfg, milestone, layout=recipe.run.export_layout)
+            bar.update(1)
+            if preemption.reached(int(state.step)):  # SIGTERM: this step is saved, the run stops
+                stopped = int(state.step)
+                break
     bar.close()
+    if stopped is not None:
+        save_state(manager, state, force=manager.latest_step() != stopped)
+        manager.wait_until_finished()
+        if writer is not None:
+            writer.close()
+        log(f"stopped by SIGTERM after step {stopped} of {tcfg.total_steps} (saved); run the same command to resume")
+        return {"preempted": stopped}
     train_s = time.perf_counter() - t_train
     save_state(manager, state, force=manager.latest_step() != int(state.step))
     manager.wait_until_finished()
