@@ -431,7 +431,7 @@ def run(recipe: Recipe, output: str | Path, *, log=print, until: str = "train") 
     end = tcfg.total_steps if not recipe.run.stop_after else min(tcfg.total_steps, first + recipe.run.stop_after)
     lazy, pos = jax.process_count() > 1, int(state.data_pos)  # the data position of step `first`
     batch = train.batch_at(pos, lazy_features=lazy) if first < end else None
-    preemption, stopped = Preemption(manager), None
+    preemption, stopped = Preemption(manager), False
     with preemption:
         for step in range(first, end):
             state, metrics = step_fn(state, meshlib.global_batch(batch, mesh), head, embed)
@@ -471,22 +471,19 @@ def run(recipe: Recipe, output: str | Path, *, log=print, until: str = "train") 
                     where = out / "drafters" / f"step-{step + 1}"
                     save_drafter(where, dcfg, milestone, layout=recipe.run.export_layout)
             bar.update(1)
-            if preemption.reached(int(state.step)):  # SIGTERM: this step is saved, the run stops
-                stopped = int(state.step)
+            stopped = preemption.reached(int(state.step))  # SIGTERM: this step is saved, the run stops
+            if stopped:
                 break
     bar.close()
-    if stopped is not None:
-        save_state(manager, state, force=manager.latest_step() != stopped)
-        manager.wait_until_finished()
-        if writer is not None:
-            writer.close()
-        log(f"stopped by SIGTERM after step {stopped} of {tcfg.total_steps} (saved); run the same command to resume")
-        return {"preempted": stopped}
     train_s = time.perf_counter() - t_train
     save_state(manager, state, force=manager.latest_step() != int(state.step))
     manager.wait_until_finished()
     if writer is not None:
         writer.close()
+    if stopped:
+        done = int(state.step)
+        log(f"stopped by SIGTERM after step {done} of {tcfg.total_steps} (saved); run the same command to resume")
+        return {"preempted": done}
 
     export = out / "drafter"
     final = meshlib.host_tree(state.params)
