@@ -73,10 +73,29 @@ def comma_list(text: str, flag: str, example: str) -> list[str]:
     return items
 
 
-def comma_ints(text: str, flag: str, example: str = "1,2,3") -> list[int]:
-    """:func:`comma_list` of integers."""
+def comma_ints(text: str, flag: str, example: str = "1,2,3", *, minimum: int | None = None) -> list[int]:
+    """:func:`comma_list` of integers, each at least ``minimum`` where given."""
     items = comma_list(text, flag, example)
     try:
-        return [int(item) for item in items]
+        values = [int(item) for item in items]
     except ValueError:
         raise UserError(f"{flag} {text!r}: expected comma-separated integers, e.g. {example}") from None
+    if minimum is not None and min(values) < minimum:
+        raise UserError(f"{flag} {text!r}: every value must be >= {minimum}, e.g. {example}")
+    return values
+
+
+def comma_floats(text: str, flag: str, example: str) -> list[float]:
+    """:func:`comma_list` of numbers."""
+    items = comma_list(text, flag, example)
+    try:
+        return [float(item) for item in items]
+    except ValueError:
+        raise UserError(f"{flag} {text!r}: expected comma-separated numbers, e.g. {example}") from None
+
+
+def at_least(minimum: int, values: dict[str, int]) -> None:
+    """A :class:`UserError` naming the first flag of ``values`` (flag -> value) below ``minimum``."""
+    for flag, value in values.items():
+        if value < minimum:
+            raise UserError(f"{flag} must be >= {minimum}, got {value}")

@@ -122,8 +122,8 @@ def test_bench_serve_refuses_a_bad_tree(capsys):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--concurrency", "1,x"], "--concurrency must be positive integers"),
-        (["--concurrency", "0"], "--concurrency must be positive integers"),
+        (["--concurrency", "1,x"], "--concurrency '1,x': expected comma-separated integers"),
+        (["--concurrency", "0"], "--concurrency '0': every value must be >= 1"),
         (["--repeats", "0"], "--repeats must be at least 1"),
         (["--max-tokens", "-3"], "--max-tokens must be at least 1"),
         (["--temperature", "-1"], "temperature must be >= 0"),

@@ -203,7 +203,7 @@ NEURON = {
     "model_is_a_file": (["export", "--model", "@afile", "--out", "@out"], "no such directory", "@out"),
     "corrupt_config_file": (["export", "--model", "@junk.json", "--out", "@out"], "not valid JSON", "@out"),
     "corrupt_config_in_dir": (["export", "--model", "@badjson", "--out", "@out"], "not valid JSON", "@out"),
-    "zero_k": (_export("--k", "0"), "--k '0': every K must be >= 1", "@out"),
+    "zero_k": (_export("--k", "0"), "--k '0': every value must be >= 1", "@out"),
     "negative_k": (_export("--k", "-1"), "--k '-1'", "@out"),
     "non_numeric_k": (_export("--k", "two"), "--k 'two': expected comma-separated integers", "@out"),
     "empty_k_item": (_export("--k", "2,,3"), "without empty ones", "@out"),

@@ -125,6 +125,6 @@ def test_bench_attention_times_every_form(tmp_path, capsys):
     assert bench_attention.main(["--model", str(model), "--windows", "0"]) == 2
     assert "error: --windows" in capsys.readouterr().err
     assert bench_attention.main(["--model", str(model), "--rows", "0"]) == 2
-    assert "--rows >= 1" in capsys.readouterr().err
+    assert "--rows must be >= 1, got 0" in capsys.readouterr().err
     assert bench_attention.main(["--model", str(tmp_path / "missing")]) == 2
     assert capsys.readouterr().err.startswith("error: ")

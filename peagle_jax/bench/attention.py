@@ -73,17 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        windows = [int(w) for w in args.windows.split(",")]
-        queries = [int(t) for t in args.queries.split(",")]
-        if min(windows + queries) < 1 or args.rounds < 1 or args.rows < 1:
-            raise ValueError
-    except ValueError:
-        print(
-            f"error: --windows and --queries must be positive integers, --rounds and --rows >= 1 "
-            f"(got {args.windows!r}, {args.queries!r}, {args.rounds}, {args.rows})",
-            file=sys.stderr,
-        )
-        return 2
+        windows = errors.comma_ints(args.windows, "--windows", "256,1024", minimum=1)
+        queries = errors.comma_ints(args.queries, "--queries", "1,8", minimum=1)
+        errors.at_least(1, {"--rounds": args.rounds, "--rows": args.rows})
+    except errors.UserError as err:
+        return errors.report(err)
     from tqdm import tqdm
 
     from peagle_jax import ops

@@ -63,9 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        vocabs = errors.comma_ints(args.draft_vocab, "--draft-vocab", "49152,12288", minimum=1)
+        errors.at_least(1, {"--max-k": args.max_k, "--layers": args.layers, "--rounds": args.rounds})
+        errors.at_least(0, {"--context": args.context})
+    except errors.UserError as err:
+        return errors.report(err)
     window = 256 if args.context + 2 * args.max_k <= 256 else 512
     rows = []
-    for vocab in (int(v) for v in args.draft_vocab.split(",")):
+    for vocab in vocabs:
         rows += measure(smollm2_sized_drafter(args.layers, vocab), args, window)
     print(
         "| draft vocab | K | parallel pass (ms) | K sequential passes (ms) | one sequential pass (ms) "

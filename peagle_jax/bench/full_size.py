@@ -155,19 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        ks = [int(k) for k in args.k.split(",")]
-        if min(ks) < 1 or args.prompt_len < 1 or args.new_tokens < 2 or args.steps < 1:
-            raise ValueError
-    except ValueError:
-        print("error: --k must be positive integers, --prompt-len and --steps >= 1, --new-tokens >= 2", file=sys.stderr)
-        return 2
-    from peagle_jax.errors import UserError
-
-    try:
+        ks = errors.comma_ints(args.k, "--k", "3,7", minimum=1)
+        errors.at_least(1, {"--prompt-len": args.prompt_len, "--steps": args.steps})
+        errors.at_least(2, {"--new-tokens": args.new_tokens})
         out = run(args, ks)
-    except (UserError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except (errors.UserError, FileNotFoundError) as err:
+        return errors.report(err)
     print(json.dumps(out, indent=2))
     if args.json:
         with open(args.json, "w") as f:

@@ -230,13 +230,8 @@ def main(argv=None) -> int:
     from peagle_jax.loading import load_tokenizer, resolve_model_dir
 
     try:
-        rows = [int(r) for r in args.rows.split(",")]
-        if min(rows) < 1 or args.rounds < 1 or args.max_new_tokens < 1:
-            raise ValueError
-    except ValueError:
-        print("error: --rows must be positive integers, --rounds and --max-new-tokens >= 1", file=sys.stderr)
-        return 2
-    try:
+        rows = errors.comma_ints(args.rows, "--rows", "1,4", minimum=1)
+        errors.at_least(1, {"--rounds": args.rounds, "--max-new-tokens": args.max_new_tokens})
         model_dir = resolve_model_dir(args.model)
         tok = load_tokenizer(model_dir)
         if tok is None:

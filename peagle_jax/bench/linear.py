@@ -122,12 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        rows = [int(r) for r in args.rows.split(",")]
-        if min(rows) < 1 or args.rounds < 1:
-            raise ValueError
-    except ValueError:
-        print(f"error: --rows must be positive integers and --rounds >= 1 (got {args.rows!r})", file=sys.stderr)
-        return 2
+        rows = errors.comma_ints(args.rows, "--rows", "1,8,64", minimum=1)
+        errors.at_least(1, {"--rounds": args.rounds})
+    except errors.UserError as err:
+        return errors.report(err)
     from tqdm import tqdm
 
     from peagle_jax import ops

@@ -225,21 +225,15 @@ def _table(model: dict) -> str:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    names = args.models.split(",")
-    unknown = [n for n in names if n not in PRESETS]
-    if unknown:
-        print(f"error: unknown --models {', '.join(unknown)}; choose from {', '.join(PRESETS)}", file=sys.stderr)
-        return 2
     try:
-        tokens = [int(t) for t in args.tokens.split(",")]
-        if min(tokens) < 1 or args.rounds < 1 or args.layers < 1:
-            raise ValueError
-    except ValueError:
-        print(
-            f"error: --tokens must be positive integers, --rounds and --layers >= 1 (got {args.tokens!r})",
-            file=sys.stderr,
-        )
-        return 2
+        names = errors.comma_list(args.models, "--models", ",".join(PRESETS))
+        unknown = [n for n in names if n not in PRESETS]
+        if unknown:
+            raise errors.UserError(f"unknown --models {', '.join(unknown)}; choose from {', '.join(PRESETS)}")
+        tokens = errors.comma_ints(args.tokens, "--tokens", "1,64", minimum=1)
+        errors.at_least(1, {"--rounds": args.rounds, "--layers": args.layers})
+    except errors.UserError as err:
+        return errors.report(err)
     from tqdm import tqdm
 
     models = []

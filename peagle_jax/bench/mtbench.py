@@ -327,26 +327,36 @@ def earlier_acceptance(path: Path, res: dict, temps: list[float]) -> list[dict]:
     return rows
 
 
+def k_lists(args) -> tuple[list[int], list[int], list[float], list[int] | None]:
+    """``--ks``, ``--sampled-ks`` (default: ``--ks``), ``--temperatures`` and ``--speed-ks`` (None: each method's
+    best K), checked before anything loads."""
+    ks = errors.comma_ints(args.ks, "--ks", "1,3,7", minimum=1)
+    sampled = errors.comma_ints(args.sampled_ks, "--sampled-ks", "1,3", minimum=1) if args.sampled_ks else ks
+    temps = errors.comma_floats(args.temperatures, "--temperatures", "0,0.7")
+    if temps[0] != 0 or min(temps) < 0:
+        raise UserError("--temperatures: the first must be 0 (greedy picks the best K for the speed part), none < 0")
+    speed = errors.comma_ints(args.speed_ks, "--speed-ks", "3,7", minimum=1) if args.speed_ks else None
+    return ks, sampled, temps, speed
+
+
 def run(args) -> dict:
 
     from peagle_jax.bench.progress import digest
     from peagle_jax.spec.tree import parse_tree
 
+    ks, sampled, temps, speed_ks = k_lists(args)
     model_dir, tok, plain, make, cfg, has_eagle3 = plain_and_spec(args)
     questions = load_questions(args.questions_file, args.questions)
     prompts = [p[-(args.max_seq_len - args.max_new_tokens) :] for p in chat_prompts(tok, questions)]  # keep the end
     stops = stop_ids(cfg, tok)
     kw = dict(batch=args.batch, max_new_tokens=args.max_new_tokens, stops=stops)
-    ks = [int(k) for k in args.ks.split(",")]
     trees = [t for t in args.trees.split(";") if t.strip()] if args.trees else []
     configs = [("P-EAGLE", f"K={k}", dict(k=k)) for k in ks]
     configs += [
         ("EAGLE-3", f"K={k}", dict(k=k, sequential=True, which="eagle3" if has_eagle3 else "peagle")) for k in ks
     ]
     configs += [("P-EAGLE tree", t, dict(tree=parse_tree(t))) for t in trees]
-    sampled = [int(k) for k in args.sampled_ks.split(",")] if args.sampled_ks else ks
     res = {"questions": len(prompts), "max_new_tokens": args.max_new_tokens, "acceptance": [], "speed": []}
-    temps = [float(t) for t in args.temperatures.split(",")]
     signature = {
         "model": str(model_dir),
         "drafter": str(args.drafter),
@@ -362,8 +372,8 @@ def run(args) -> dict:
         res["acceptance"] = acceptance_part(args, plain, make, prompts, configs, temps, sampled, signature, kw)
 
     greedy = [r for r in res["acceptance"] if r["temperature"] == temps[0] and r["method"] != "P-EAGLE tree"]
-    if args.speed_ks:
-        timed_shapes = [(m, f"K={k}") for m in ("P-EAGLE", "EAGLE-3") for k in args.speed_ks.split(",")]
+    if speed_ks:
+        timed_shapes = [(m, f"K={k}") for m in ("P-EAGLE", "EAGLE-3") for k in speed_ks]
     else:
         timed_shapes = [
             (m, max((r for r in greedy if r["method"] == m), key=lambda r: r["acceptance_length"])["shape"])
@@ -481,8 +491,7 @@ def main(argv=None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        if float(args.temperatures.split(",")[0]) != 0:
-            raise UserError("--temperatures: the first must be 0 (greedy picks the best K for the speed part)")
+        k_lists(args)
         default_drafters(args)
         res = run(args)
     except KeyboardInterrupt:

@@ -76,6 +76,13 @@ def run(args) -> dict:
     tokenizer = transformers().AutoTokenizer.from_pretrained(str(model_dir))
     cfg32, params32 = load_target_any(model_dir)
     prompts = _prompts(tokenizer, args.prompts, args.max_prompt_tokens, args.skip)
+    if len(prompts) < args.prompts:
+        raise errors.UserError(
+            f"--prompts {args.prompts} --skip {args.skip}: only {len(prompts)} of the salvaged ShareGPT prompts from "
+            f"there fit --max-prompt-tokens {args.max_prompt_tokens}"
+        )
+    print(f"## Regeneration throughput ({args.prompts} ShareGPT prompts, up to {args.max_new_tokens} tokens)\n")
+    print("| path | generated |\n|---|---|")
     stops = sorted(set(cfg32.eos_token_ids) | {tokenizer.eos_token_id})
     seq = args.max_prompt_tokens + args.max_new_tokens
 
@@ -90,8 +97,8 @@ def run(args) -> dict:
         rows.append({"path": path, **_timed(gen, prompts, args, stops, args.batch)})
         print(f"| {rows[-1]['path']} | {rows[-1]['tokens_per_s']:.0f} tokens/s |", flush=True)
     cfg, params = target(args.slots_dtype)
-    for slots in (int(s) for s in args.slots.split(",")):
-        for buckets in args.slot_buckets.split(","):
+    for slots in args.slots:
+        for buckets in args.slot_buckets:
             gen = SlotGenerator(cfg, params, slots=slots, max_seq_len=seq, buckets=buckets)
             path = f"slots {slots} {args.slots_dtype} {buckets} buckets"
             row = {"path": path, **_timed(gen, prompts, args, stops, len(prompts))}
@@ -130,17 +137,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.prompts < 1 or args.batch < 0 or args.max_new_tokens < 1:
-        raise SystemExit("error: --prompts and --max-new-tokens must be >= 1, --batch >= 0")
     try:
-        [int(s) for s in args.slots.split(",")]
-    except ValueError:
-        raise SystemExit(f"error: --slots {args.slots!r}: expected comma-separated integers") from None
-    if not set(args.slot_buckets.split(",")) <= {"regen", "serving"}:
-        raise SystemExit(f"error: --slot-buckets {args.slot_buckets!r}: expected regen and/or serving")
-    print(f"## Regeneration throughput ({args.prompts} ShareGPT prompts, up to {args.max_new_tokens} tokens)\n")
-    print("| path | generated |\n|---|---|")
-    res = run(args)
+        errors.at_least(1, {"--prompts": args.prompts, "--max-new-tokens": args.max_new_tokens})
+        errors.at_least(0, {"--batch": args.batch, "--skip": args.skip})
+        args.slots = errors.comma_ints(args.slots, "--slots", "32,64", minimum=1)
+        args.slot_buckets = errors.comma_list(args.slot_buckets, "--slot-buckets", "regen,serving")
+        if not set(args.slot_buckets) <= {"regen", "serving"}:
+            raise errors.UserError(f"--slot-buckets {','.join(args.slot_buckets)}: expected regen and/or serving")
+        res = run(args)
+    except errors.UserError as err:
+        return errors.report(err)
     print()
     for row in res["rows"]:
         print(f"{row['path']}: {row['tokens']} tokens in {row['seconds']:.1f} s, {row['vs_first']:.2f}x the first")

@@ -61,20 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        rows = [int(r) for r in args.rows.split(",")]
-        top_ps = [float(t) for t in args.top_p.split(",")]
-    except ValueError:
-        print("error: --rows takes integers and --top-p numbers, comma-separated", file=sys.stderr)
-        return 2
-    for flag, bad in (
-        ("--rows", min(rows) < 1),
-        ("--vocab", args.vocab < 2),
-        ("--top-p", not all(0 < t <= 1 for t in top_ps)),
-        ("--rounds", args.rounds < 1),
-    ):
-        if bad:
-            print(f"error: {flag} out of range (rows, rounds >= 1; vocab >= 2; 0 < top_p <= 1)", file=sys.stderr)
-            return 2
+        rows = errors.comma_ints(args.rows, "--rows", "1,8,64", minimum=1)
+        top_ps = errors.comma_floats(args.top_p, "--top-p", "1.0,0.9")
+        if not all(0 < t <= 1 for t in top_ps):
+            raise errors.UserError(f"--top-p {args.top_p!r}: every value must be in (0, 1]")
+        errors.at_least(2, {"--vocab": args.vocab})
+        errors.at_least(1, {"--rounds": args.rounds})
+    except errors.UserError as err:
+        return errors.report(err)
     results = []
     lines = ["| rows | top_p | branch-free | branching | branching / branch-free |", "|---|---|---|---|---|"]
     for r in rows:

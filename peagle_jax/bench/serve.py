@@ -232,7 +232,6 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from peagle_jax.drafter.shipped import default_tree, resolve_drafter
     from peagle_jax.engine.buckets import parse_window_buckets
-    from peagle_jax.errors import UserError
     from peagle_jax.sampling import check_sampling_args
     from peagle_jax.spec.tree import parse_tree
 
@@ -303,13 +302,7 @@ def main(argv=None) -> int:
 
 def _levels(text: str) -> list[int]:
     """``--concurrency``'s client counts."""
-    try:
-        levels = [int(c) for c in text.split(",")]
-    except ValueError:
-        levels = []
-    if not levels or min(levels) < 1:
-        raise UserError(f"--concurrency must be positive integers separated by commas, got {text!r}")
-    return levels
+    return errors.comma_ints(text, "--concurrency", "1,4", minimum=1)
 
 
 def run_modes(modes: dict[str, list[str]], levels: list[int], model: str, args) -> dict:

@@ -97,8 +97,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         settings = parse_settings(args.setting)
-        modes = [m for m in args.modes.split(",") if m]
-        if not modes or any(m not in MODES for m in modes):
+        modes = errors.comma_list(args.modes, "--modes", ",".join(MODES))
+        if any(m not in MODES for m in modes):
             raise UserError(f"--modes {args.modes!r}: choose from {', '.join(MODES)}")
         if args.max_tokens < 1:
             raise UserError(f"--max-tokens must be >= 1, got {args.max_tokens}")

@@ -117,16 +117,10 @@ def main(argv=None) -> int:
     from peagle_jax.loading import load_tokenizer, resolve_model_dir
 
     try:
-        rows = [int(r) for r in args.rows.split(",")]
-        if min(rows) < 1 or args.steps < 1 or (args.k is not None and args.k < 1):
-            raise ValueError
-    except ValueError:
-        print(f"error: --rows must be positive integers, --steps and --k >= 1 (got {args.rows!r})", file=sys.stderr)
-        return 2
-    if args.tree and args.k is not None:
-        print("error: give --k or --tree, not both", file=sys.stderr)
-        return 2
-    try:
+        rows = errors.comma_ints(args.rows, "--rows", "1,4,16", minimum=1)
+        errors.at_least(1, {"--steps": args.steps, "--k": 1 if args.k is None else args.k})
+        if args.tree and args.k is not None:
+            raise UserError("give --k or --tree, not both")
         plain, spec, prompt = _generators(args, resolve_model_dir(args.model), load_tokenizer)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -309,13 +309,7 @@ def main(argv=None) -> int:
 
 
 def _budgets(text: str) -> list[int]:
-    try:
-        out = sorted({int(b) for b in text.split(",") if b.strip()})
-    except ValueError:
-        out = []
-    if not out or out[0] < 1:
-        raise UserError(f"--budgets {text!r}: expected comma-separated node counts >= 1, e.g. 3,7,15")
-    return out
+    return sorted(set(errors.comma_ints(text, "--budgets", "3,7,15", minimum=1)))
 
 
 def run(args) -> dict:

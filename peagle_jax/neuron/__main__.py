@@ -77,9 +77,7 @@ def run_export(args) -> int:
 
     overrides = {}
     if args.k is not None:
-        overrides["k_values"] = tuple(comma_ints(args.k, "--k", "3,7"))
-        if min(overrides["k_values"]) < 1:
-            raise UserError(f"--k {args.k!r}: every K must be >= 1")
+        overrides["k_values"] = tuple(comma_ints(args.k, "--k", "3,7", minimum=1))
     platforms = tuple(comma_list(args.platforms, "--platforms", "neuron,tpu"))
     unknown = [p for p in platforms if p not in PLATFORMS]
     if unknown:
