@@ -491,7 +491,6 @@ def main(argv=None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        k_lists(args)
         default_drafters(args)
         res = run(args)
     except KeyboardInterrupt:
