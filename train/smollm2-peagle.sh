@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The whole train/configs/smollm2-peagle.yaml study, every stage resumable (run it again after a stop):
-# regenerate the answers and build the feature cache, compare three drafter shapes for the same training
-# seconds, train the P-EAGLE drafter, then the EAGLE-3 baseline on the same data; a held-out MT-Bench
-# learning curve for each, and the shapes' curves and P-EAGLE's against EAGLE-3's on one plot each (the
-# latter with the shipped drafters measured on the same answers beside them).
+# regenerate the answers and build the feature cache, train the P-EAGLE drafter, then the EAGLE-3 baseline on
+# the same data, then compare three drafter shapes for the same training seconds; a held-out MT-Bench
+# learning curve for each, and P-EAGLE's curve against EAGLE-3's (with the shipped drafters measured on the
+# same answers beside them) and the shapes' curves on one plot each. The drafters the goals are measured on
+# come first, the shape study (a measurement, not an input to the runs before it) last.
 # usage: train/smollm2-peagle.sh [RUNS_DIR [KEY=VALUE ...]]   (default runs/)
 # KEY=VALUE overrides go to every train.py call after the stage's own, and $CURVE_ARGS to every learning
 # curve: a scaled-down trial of every stage, e.g.
@@ -16,6 +17,14 @@ recipe=train/configs/smollm2-peagle.yaml
 main=$runs/smollm2-peagle
 read -r -a curve_args <<<"${CURVE_ARGS:-}"
 python train/train.py --config $recipe --output "$main" --until features "$@"
+python train/train.py --config $recipe --output "$main" "$@"
+python -m peagle_jax.train.curve "$main" "${curve_args[@]}"
+python train/train.py --config $recipe --output "$runs/smollm2-eagle3-baseline" \
+  optim.objective=eagle3 batch.num_depths=4 data.from_run="$main" "$@"
+python -m peagle_jax.train.curve "$runs/smollm2-eagle3-baseline" "${curve_args[@]}"
+python -m peagle_jax.train.curve "$main" "$runs/smollm2-eagle3-baseline" "${curve_args[@]}" \
+  --reference smollm2-peagle --reference smollm2-eagle3 \
+  --json "$runs/curves-peagle-eagle3.json" --plot "$runs/curves-peagle-eagle3.png"
 # name, steps (in the ratio of the fp32 step times in docs/bench/train/sweep-shapes-fp32.json), overrides
 while read -r name steps overrides; do
   python train/train.py --config $recipe --output "$runs/shapes/$name" data.from_run="$main" \
@@ -28,11 +37,3 @@ layers2-vocab4096 2310 drafter.draft_vocab_size=4096
 SHAPES
 python -m peagle_jax.train.curve "$runs"/shapes/*/ "${curve_args[@]}" --json "$runs/shapes/curves.json" \
   --plot "$runs/shapes/curves.png"
-python train/train.py --config $recipe --output "$main" "$@"
-python -m peagle_jax.train.curve "$main" "${curve_args[@]}"
-python train/train.py --config $recipe --output "$runs/smollm2-eagle3-baseline" \
-  optim.objective=eagle3 batch.num_depths=4 data.from_run="$main" "$@"
-python -m peagle_jax.train.curve "$runs/smollm2-eagle3-baseline" "${curve_args[@]}"
-python -m peagle_jax.train.curve "$main" "$runs/smollm2-eagle3-baseline" "${curve_args[@]}" \
-  --reference smollm2-peagle --reference smollm2-eagle3 \
-  --json "$runs/curves-peagle-eagle3.json" --plot "$runs/curves-peagle-eagle3.png"
