@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# The whole train/configs/smollm2-peagle.yaml study, every stage resumable (run it again after a stop):
-# regenerate the answers and build the feature cache, train the P-EAGLE drafter, then the EAGLE-3 baseline on
-# the same data, then compare three drafter shapes for the same training seconds; a held-out MT-Bench
-# learning curve for each, and P-EAGLE's curve against EAGLE-3's (with the shipped drafters measured on the
-# same answers beside them) and the shapes' curves on one plot each. The drafters the goals are measured on
-# come first, the shape study (a measurement, not an input to the runs before it) last.
+# The whole train/configs/smollm2-peagle.yaml study, every stage resumable (run it again after a stop).
+# First a milestone that takes a few hours: the greedy answers to the first 12 shards of prompts (about 1.7M
+# answer tokens) and a drafter trained on them with online features (smollm2-peagle-greedy12k), measured
+# against the shipped drafters; those shards are the first of the full regeneration, not extra work. Then
+# the full study: regenerate the rest and build the feature cache, train the P-EAGLE drafter, then the
+# EAGLE-3 baseline on the same data, then compare three drafter shapes for the same training seconds; a
+# held-out MT-Bench learning curve for each, and P-EAGLE's curve against EAGLE-3's (with the shipped drafters
+# measured on the same answers beside them) and the shapes' curves on one plot each. The drafters the goals
+# are measured on come first, the shape study (a measurement, not an input to the runs before it) last.
 # usage: train/smollm2-peagle.sh [RUNS_DIR [KEY=VALUE ...]]   (default runs/)
-# KEY=VALUE overrides go to every train.py call after the stage's own, and $CURVE_ARGS to every learning
+# KEY=VALUE overrides go to every train.py call after the stage's own (optim.compute_dtype=bfloat16 on a CPU
+# whose bf16 products are the faster: docs/bench/train/README.md), and $CURVE_ARGS to every learning
 # curve: a scaled-down trial of every stage, e.g.
 #   CURVE_ARGS="--questions 4 --max-new-tokens 16" train/smollm2-peagle.sh /tmp/trial data.max_prompts=8 \
 #     data.shard_size=4 data.max_new_tokens=16 data.regen_slots=4 optim.warmup_steps=1 optim.total_steps=4 run.export_steps=2
@@ -16,6 +20,13 @@ shift $(($# > 0 ? 1 : 0))
 recipe=train/configs/smollm2-peagle.yaml
 main=$runs/smollm2-peagle
 read -r -a curve_args <<<"${CURVE_ARGS:-}"
+# The milestone: 12,288 prompts (12 shards of 1024) answered greedily, about 1.3 epochs of their packed rows.
+first=(data.max_prompts=12288 data.extra_temperatures=)
+python train/train.py --config $recipe --output "$main" --until data "${first[@]}" "$@"
+python train/train.py --config $recipe --output "$runs/smollm2-peagle-greedy12k" data.from_run="$main" \
+  "${first[@]}" batch.features=online optim.total_steps=4000 run.export_steps=900,1800,3000 "$@"
+python -m peagle_jax.train.curve "$runs/smollm2-peagle-greedy12k" "${curve_args[@]}" \
+  --reference smollm2-peagle --reference smollm2-eagle3
 python train/train.py --config $recipe --output "$main" --until features "$@"
 python train/train.py --config $recipe --output "$main" "$@"
 python -m peagle_jax.train.curve "$main" "${curve_args[@]}"
