@@ -334,12 +334,14 @@ def test_gpt_oss_20b_every_graph_family_exports_clean_at_full_shapes(platform):
 @pytest.mark.slow
 @pytest.mark.parametrize("name, k", [("gpt-oss-120b", 8), ("Qwen3-Coder-30B-A3B-Instruct", 18)])
 def test_a_decode_and_a_verify_graph_export_clean_at_full_shapes(name, k):
+    """The other released drafters' targets at full shapes (more experts, layers, K), for neuron: the TPU
+    lowering of the same graph families at full shapes is GPT-OSS-20B's above."""
     cfg, dcfg, _ = released(name)
     buckets = ServingBuckets(**SMALL, k_values=(k,), sampling=False, adaptive=False)
     graphs = all_graphs(cfg, dcfg, buckets)
     picked = [next(g for g in graphs if g.name.startswith(kind)) for kind in ("decode_", "verify_b1_s")]
     assert f"_chain{k}_" in picked[1].name
-    findings = export_all(picked, None, ("neuron", "tpu"), write=False)
+    findings = export_all(picked, None, ("neuron",), write=False)
     assert {n: f for n, per in findings.items() for f in per.values() if f} == {}
 
 
