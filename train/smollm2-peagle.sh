@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole train/configs/smollm2-peagle.yaml study, every stage resumable (run it again after a stop).
 # First a milestone that takes a few hours: the greedy answers to the first 12 shards of prompts (about 1.7M
-# answer tokens) and a drafter trained on them with online features (smollm2-peagle-greedy12k), measured
-# against the shipped drafters; those shards are the first of the full regeneration, not extra work. Then
+# answer tokens) and the shipped P-EAGLE drafter trained on further on them with online features
+# (smollm2-peagle-greedy12k), measured against the shipped drafters; those shards are the first of the full
+# regeneration, not extra work. Then
 # the full study: regenerate the rest and build the feature cache, train the P-EAGLE drafter, then the
 # EAGLE-3 baseline on the same data, then compare three drafter shapes for the same training seconds; a
 # held-out MT-Bench learning curve for each, and P-EAGLE's curve against EAGLE-3's (with the shipped drafters
@@ -20,11 +21,13 @@ shift $(($# > 0 ? 1 : 0))
 recipe=train/configs/smollm2-peagle.yaml
 main=$runs/smollm2-peagle
 read -r -a curve_args <<<"${CURVE_ARGS:-}"
-# The milestone: 12,288 prompts (12 shards of 1024) answered greedily, about 1.3 epochs of their packed rows.
+# The milestone: 12,288 prompts (12 shards of 1024) answered greedily; the shipped drafter warm-started on
+# them for about 1.3 epochs of their packed rows.
 first=(data.max_prompts=12288 data.extra_temperatures=)
 python train/train.py --config $recipe --output "$main" --until data "${first[@]}" "$@"
 python train/train.py --config $recipe --output "$runs/smollm2-peagle-greedy12k" data.from_run="$main" \
-  "${first[@]}" batch.features=online optim.total_steps=4000 run.export_steps=900,1800,3000 "$@"
+  "${first[@]}" batch.features=online drafter.init=peagle_jax/drafter/shipped/smollm2-peagle optim.lr=3e-4 \
+  optim.warmup_steps=30 optim.total_steps=4000 run.export_steps=900,1800,3000 "$@"
 python -m peagle_jax.train.curve "$runs/smollm2-peagle-greedy12k" "${curve_args[@]}" \
   --reference smollm2-peagle --reference smollm2-eagle3
 python train/train.py --config $recipe --output "$main" --until features "$@"
