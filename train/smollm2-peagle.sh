@@ -3,12 +3,12 @@
 # First a milestone that takes a few hours: the greedy answers to the first 12 shards of prompts (about 1.7M
 # answer tokens) and the shipped P-EAGLE drafter trained on further on them with online features
 # (smollm2-peagle-greedy12k), measured against the shipped drafters; those shards are the first of the full
-# regeneration, not extra work. Then
-# the full study: regenerate the rest and build the feature cache, train the P-EAGLE drafter, then the
-# EAGLE-3 baseline on the same data, then compare three drafter shapes for the same training seconds; a
-# held-out MT-Bench learning curve for each, and P-EAGLE's curve against EAGLE-3's (with the shipped drafters
-# measured on the same answers beside them) and the shapes' curves on one plot each. The drafters the goals
-# are measured on come first, the shape study (a measurement, not an input to the runs before it) last.
+# regeneration, not extra work. Then the full study: regenerate the rest and build the feature cache, train
+# the P-EAGLE drafter, then the EAGLE-3 baseline on the same data, then compare three drafter shapes for the
+# same training seconds; a held-out MT-Bench learning curve for each, and P-EAGLE's curve against EAGLE-3's
+# (with the shipped drafters measured on the same answers beside them) and the shapes' curves on one plot
+# each. The drafters the goals are measured on come first, the shape study (a measurement, not an input to
+# the runs before it) last.
 # usage: train/smollm2-peagle.sh [RUNS_DIR [KEY=VALUE ...]]   (default runs/)
 # KEY=VALUE overrides go to every train.py call after the stage's own (optim.compute_dtype=bfloat16 on a CPU
 # whose bf16 products are the faster: docs/bench/train/README.md), and $CURVE_ARGS to every learning
