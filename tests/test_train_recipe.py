@@ -84,6 +84,13 @@ def test_tiny_recipe_end_to_end_and_resume(tmp_path):
     assert [r["loss"] for r in resumed] == [r["loss"] for r in records]
     last_eval = [json.loads((d / "eval.jsonl").read_text().splitlines()[-1]) for d in (part, out)]
     assert last_eval[0]["loss"] == pytest.approx(last_eval[1]["loss"], rel=1e-6)
+    # A finished run run again trains nothing and keeps the summary of the invocation that trained.
+    trained = (part / "summary.json").read_text()
+    assert json.loads(trained)["trained_steps_this_run"] == 18
+    proc = _run(*args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (part / "summary.json").read_text() == trained
+    assert "per-depth top-1 accuracy: 0." in proc.stderr + proc.stdout
 
     # The exported drafter runs in generate against the saved target, losslessly.
     common = ["--model", str(out / "target"), "--chat", "--prompt", "Tell me about JAX.", "--max-new-tokens", "24"]
