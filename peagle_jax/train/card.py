@@ -48,6 +48,9 @@ def collect(run: Path) -> dict:
     summary = json.loads((run / "summary.json").read_text())
     data = Path(recipe["data"].get("from_run") or run)  # another run's answers and features (data.from_run)
     shards = sorted((data / "regen").glob("shard-*.jsonl"))
+    n, size = recipe["data"]["max_prompts"], recipe["data"].get("shard_size")
+    if n and size:  # the shards this run read (the run it takes its answers from may have made more since)
+        shards = shards[: -(-n // size)]
     if "responses" in vocab:  # recorded since data.responses=dataset (no shards to count)
         responses, response_tokens = vocab["responses"], vocab["response_tokens"]
     else:
